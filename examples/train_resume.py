@@ -1,0 +1,300 @@
+"""Kill a training job in the middle of a checkpoint save, resume it, get the same model.
+
+    python examples/train_resume.py            # or: ./run demo
+
+The script plays four parts, each in its own process, as a real job would live them:
+
+1. a reference run trains a small MLP for 60 steps, uninterrupted;
+2. a second run, checkpointing every 10 steps with ``CheckpointManager(keep_last=2)``,
+   is SIGKILLed while a checkpoint's data file is being written (no manifest yet);
+3. a restart calls ``mgr.restore(state)``: the half-written step is not a checkpoint, so
+   it resumes from the newest committed one and trains to the end;
+4. the final weights and optimizer state of 1 and 3 are compared bit for bit.
+
+The checkpointed state is the whole job: model, optimizer, LR scheduler, the torch,
+NumPy and Python RNGs (dropout and augmentation draw from all three), the step and the
+data position. Miss any of it and step 4 fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import safeckpt
+
+TOTAL_STEPS = 60
+SAVE_EVERY = 10
+KILL_FROM_STEP = 40          # arm the kill for this save (and later ones, if one is missed)
+N_SAMPLES, DIM, HIDDEN, CLASSES, BATCH = 2048, 256, 1024, 10, 64
+HERE = Path(__file__).resolve()
+
+
+# --------------------------------------------------------------------------- the job
+
+
+def make_data() -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed synthetic data set: inputs, and labels from a random 'teacher' network."""
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(N_SAMPLES, DIM, generator=g)
+    teacher = torch.randn(DIM, CLASSES, generator=g)
+    return x, (torch.tanh(x) @ teacher).argmax(dim=1)
+
+
+def batch_indices(epoch: int, batch: int) -> torch.Tensor:
+    """Which samples make up batch ``batch`` of ``epoch``: a per-epoch shuffle, like
+    DistributedSampler.set_epoch, so the data position alone says where we are."""
+    perm = torch.randperm(N_SAMPLES, generator=torch.Generator().manual_seed(epoch))
+    return perm[batch * BATCH:(batch + 1) * BATCH]
+
+
+def make_model() -> nn.Module:
+    # ~1.3M parameters: with AdamW's two moments a checkpoint is ~16 MB, big enough
+    # that a save takes long enough to be caught in the middle.
+    return nn.Sequential(
+        nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Dropout(0.1),
+        nn.Linear(HIDDEN, HIDDEN), nn.LayerNorm(HIDDEN), nn.GELU(), nn.Dropout(0.1),
+        nn.Linear(HIDDEN, CLASSES),
+    )
+
+
+def rng_states() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+            "python": random.getstate()}
+
+
+def set_rng_states(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+
+
+class SaveKiller(threading.Thread):
+    """SIGKILLs this process once a checkpoint save is caught half-way: a new folder under
+    ``root`` holds a non-empty data file but no manifest yet. Only watches while armed."""
+
+    def __init__(self, root: Path):
+        super().__init__(daemon=True)
+        self.root, self.armed, self.known = root, threading.Event(), set()
+
+    def arm(self) -> None:
+        self.known = {p.name for p in self.root.iterdir()} if self.root.exists() else set()
+        sys.setswitchinterval(1e-4)   # let this thread in while the save holds the GIL
+        self.armed.set()
+
+    def disarm(self) -> None:
+        self.armed.clear()
+
+    def run(self) -> None:
+        while True:
+            self.armed.wait()
+            try:
+                for folder in self.root.iterdir():
+                    if folder.name in self.known or not folder.is_dir():
+                        continue
+                    files = {f.name: f.stat().st_size for f in folder.iterdir()}
+                    data = {n: s for n, s in files.items() if "data-" in n and s > 0}
+                    if data and not any(n.startswith("manifest-") for n in files):
+                        name, size = next(iter(data.items()))
+                        print(f"  !! SIGKILL now: {folder.name}/{name} has {size / 1e6:.1f} MB "
+                              "on disk and there is no manifest yet", flush=True)
+                        os.kill(os.getpid(), signal.SIGKILL)
+            except OSError:
+                pass                  # a folder or file vanished under us; look again
+            time.sleep(2e-4)
+
+
+def train(ckpt_root: Path, out: Path | None, kill: bool) -> None:
+    """One life of the training job: restore if there is a checkpoint, train, save."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    x, y = make_data()
+    model = make_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=TOTAL_STEPS)
+    epoch, batch, step = 0, 0, 0
+    losses: dict[int, float] = {}
+
+    def state() -> dict:
+        return {"model": model, "optim": optim, "sched": sched, "rng": rng_states(),
+                "step": step, "data_pos": {"epoch": epoch, "batch": batch}}
+
+    killer = SaveKiller(ckpt_root)
+    if kill:
+        killer.start()
+    with safeckpt.CheckpointManager(ckpt_root, keep_last=2) as mgr:
+        st = state()
+        restored = mgr.restore(st)
+        if restored is None:
+            print("  no checkpoint yet: starting from scratch")
+        else:
+            # Tensors were copied in place and load_state_dict() was called on model,
+            # optimizer and scheduler; plain values were replaced in the dict.
+            step, pos = st["step"], st["data_pos"]
+            epoch, batch = pos["epoch"], pos["batch"]
+            set_rng_states(st["rng"])
+            print(f"  mgr.restore() -> step {restored}: resuming at step {step + 1} "
+                  f"(epoch {epoch}, batch {batch}, lr {sched.get_last_lr()[0]:.6f})")
+
+        model.train()
+        while step < TOTAL_STEPS:
+            idx = batch_indices(epoch, batch)
+            noise_scale = random.uniform(0.0, 0.1)                    # Python RNG
+            noise = torch.from_numpy(np.random.standard_normal((len(idx), DIM)).astype(np.float32))
+            logits = model(x[idx] + noise_scale * noise)              # dropout: torch RNG
+            loss = nn.functional.cross_entropy(logits, y[idx])
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+            sched.step()
+            step += 1
+            losses[step] = loss.item()
+            batch += 1
+            if batch * BATCH >= N_SAMPLES:
+                epoch, batch = epoch + 1, 0
+
+            if step % SAVE_EVERY == 0:
+                if kill and step >= KILL_FROM_STEP:
+                    killer.arm()
+                mgr.save(step, state(), metrics={"loss": losses[step]})
+                killer.disarm()
+                print(f"  step {step:2d}  loss {losses[step]:.4f}  saved checkpoint "
+                      f"(kept: {mgr.steps()})", flush=True)
+
+    if out is not None:
+        torch.save({"model": model.state_dict(), "optim": optim.state_dict(),
+                    "sched": sched.state_dict(), "losses": losses}, out)
+
+
+# --------------------------------------------------------------------------- the story
+
+
+def run_child(*args: str) -> int:
+    """Run one life of the job in a fresh process, echoing its output."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, str(HERE), "--child", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        print("  |" + line.rstrip("\n"), flush=True)
+    return proc.wait()
+
+
+def describe(root: Path) -> None:
+    """Show the checkpoint folders on disk and what safeckpt thinks of each."""
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        names = sorted(f.name for f in folder.iterdir())
+        try:
+            report = safeckpt.verify(folder)
+            verdict = "committed, verify ok" if report.ok else f"INVALID: {report.problems}"
+        except safeckpt.CheckpointError as exc:
+            verdict = f"not a checkpoint ({type(exc).__name__})"
+        print(f"    {folder.name}/  {verdict}")
+        for n in names:
+            print(f"        {n}  ({(folder / n).stat().st_size / 1e6:.1f} MB)")
+
+
+def compare(ref: dict, got: dict) -> list[str]:
+    """Every difference between two final states, tensor by tensor, bit for bit."""
+    diffs = []
+    for k, t in ref["model"].items():
+        if not torch.equal(t, got["model"][k]):
+            diffs.append(f"model.{k}")
+    ro, go = ref["optim"], got["optim"]
+    if ro["param_groups"] != go["param_groups"]:
+        diffs.append("optim.param_groups")
+    for pid, s in ro["state"].items():
+        for k, t in s.items():
+            if not torch.equal(t, go["state"][pid][k]):
+                diffs.append(f"optim.state.{pid}.{k}")
+    if ref["sched"] != got["sched"]:
+        diffs.append("sched")
+    for step, loss in got["losses"].items():
+        if ref["losses"][step] != loss:
+            diffs.append(f"loss at step {step}")
+    return diffs
+
+
+def main(work: Path) -> int:
+    t0 = time.perf_counter()
+    run_dir, ref_dir = work / "run", work / "reference"
+    ref_out, resumed_out = work / "reference.pt", work / "resumed.pt"
+
+    print(f"\n[1/4] Reference run: {TOTAL_STEPS} steps, no interruption")
+    if run_child("--ckpt", str(ref_dir), "--out", str(ref_out)) != 0:
+        print("FAIL: the reference run failed")
+        return 1
+
+    print(f"\n[2/4] Same job, checkpointing every {SAVE_EVERY} steps into {run_dir.name}/; "
+          f"it SIGKILLs itself in the middle of the step-{KILL_FROM_STEP} save")
+    rc = run_child("--ckpt", str(run_dir), "--kill")
+    if rc != -signal.SIGKILL:
+        print(f"FAIL: expected the job to die of SIGKILL mid-save, it exited with {rc} "
+              "(the saves finished too fast to be caught?)")
+        return 1
+    committed = safeckpt.CheckpointManager(run_dir).steps()
+    print(f"  The job is dead (killed by signal {signal.SIGKILL.name}). On disk:")
+    describe(run_dir)
+    print(f"  Committed checkpoints: {committed}. The torn folder has data but no manifest, "
+          "so it was never a checkpoint.")
+
+    print("\n[3/4] Restart: the same script restores the newest committed checkpoint")
+    if run_child("--ckpt", str(run_dir), "--out", str(resumed_out)) != 0:
+        print("FAIL: the resumed run failed")
+        return 1
+    print("  On disk after the resumed run:")
+    describe(run_dir)
+
+    print("\n[4/4] Comparing the resumed run's final state with the reference")
+    ref = torch.load(ref_out, weights_only=True)
+    got = torch.load(resumed_out, weights_only=True)
+    first_resumed = min(got["losses"])
+    if first_resumed - 1 != max(committed):
+        print(f"FAIL: resumed after step {first_resumed - 1}, "
+              f"but the newest committed checkpoint was {max(committed)}")
+        return 1
+    diffs = compare(ref, got)
+    n_tensors = len(ref["model"]) + sum(len(s) for s in ref["optim"]["state"].values())
+    took = time.perf_counter() - t0
+    if diffs:
+        print(f"FAIL: {len(diffs)} differences, first: {', '.join(diffs[:5])}")
+        return 1
+    print(f"  {n_tensors} model and optimizer tensors, the scheduler state and the losses of "
+          f"steps {first_resumed}-{TOTAL_STEPS} are identical, bit for bit (torch.equal).")
+    print(f"\nPASS: killed mid-save, resumed from step {max(committed)}, "
+          f"same model as the uninterrupted run ({took:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workdir", type=Path,
+                    help="keep the checkpoints here (a new, empty folder) instead of a temp dir")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--kill", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        train(a.ckpt, a.out, a.kill)
+        sys.exit(0)
+    if a.workdir is not None:
+        a.workdir.mkdir(parents=True, exist_ok=False)
+        sys.exit(main(a.workdir))
+    with tempfile.TemporaryDirectory(prefix="safeckpt-demo-") as tmp:
+        sys.exit(main(Path(tmp)))

@@ -1,0 +1,20 @@
+"""Fast, non-cryptographic checksums of byte ranges (xxh3-64, ~10 GB/s, GIL released)."""
+
+from __future__ import annotations
+
+import xxhash
+
+ALGORITHM = "xxh3_64"
+
+
+def checksum(data) -> str:
+    """Return ``"xxh3_64:<16 hex digits>"`` for a bytes-like object."""
+    return f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(data)}"
+
+
+def is_checksum(value: object) -> bool:
+    """True when ``value`` is a checksum string this version can check."""
+    if not isinstance(value, str) or not value.startswith(ALGORITHM + ":"):
+        return False
+    digest = value[len(ALGORITHM) + 1 :]
+    return len(digest) == 16 and all(c in "0123456789abcdef" for c in digest)

@@ -1,0 +1,228 @@
+"""The restricted value codec: plain Python values to JSON and back, never running code.
+
+Containers keep their exact type (tuple vs list, OrderedDict, non-string keys),
+ints of any size, non-finite floats, bytes, NumPy arrays and scalars, torch dtypes
+and devices. Tensors are not encoded here: the caller passes ``on_tensor`` to turn
+each tensor into a reference, and ``on_ref`` to turn references back.
+Anything else is refused with ``UnsafeObjectError`` unless the caller opts into
+pickle, in which case loading it needs the same explicit opt-in.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import math
+import pickle
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .errors import CorruptCheckpointError, UnsafeObjectError
+
+JSON = Any
+_SAFE_INT = 2**53
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text.encode("ascii"), validate=True)
+
+
+def _encode_float(x: float) -> JSON:
+    return x if math.isfinite(x) else {"$float": repr(x)}
+
+
+def _encode_ndarray(a: np.ndarray, key: str) -> JSON:
+    if a.dtype.kind in "OV":
+        raise UnsafeObjectError(
+            f"cannot store NumPy array of dtype {a.dtype} at {key!r}: object and structured "
+            "arrays need pickle; convert it to a tensor or plain values"
+        )
+    return {"$ndarray": {"dtype": a.dtype.str, "shape": list(a.shape),
+                         "data": _b64(np.ascontiguousarray(a).tobytes())}}
+
+
+def encode_leaf(value: Any, key: str, allow_pickle: bool) -> JSON:
+    """Encode a value that is not a container or tensor; ``key`` names it in errors."""
+    kind = type(value)
+    if value is None or kind in (bool, str):
+        return value
+    if kind is int:
+        return value if -_SAFE_INT < value < _SAFE_INT else {"$int": str(value)}
+    if kind is float:
+        return _encode_float(value)
+    if kind is complex:
+        return {"$complex": [_encode_float(value.real), _encode_float(value.imag)]}
+    if kind is bytes:
+        return {"$bytes": _b64(value)}
+    if kind is bytearray:
+        return {"$bytearray": _b64(bytes(value))}
+    if kind is torch.dtype:
+        return {"$dtype": str(value).removeprefix("torch.")}
+    if kind is torch.device:
+        return {"$device": str(value)}
+    if isinstance(value, np.ndarray) and kind is np.ndarray:
+        return _encode_ndarray(value, key)
+    if isinstance(value, np.generic) and value.dtype.kind not in "OV":
+        return {"$npscalar": {"dtype": value.dtype.str, "data": _b64(value.tobytes())}}
+    if allow_pickle:
+        return {"$pickle": _b64(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))}
+    raise UnsafeObjectError(
+        f"cannot store {kind.__module__}.{kind.__qualname__} at {key!r} without pickle, "
+        "which would run code when loaded; give it state_dict()/load_state_dict(), convert "
+        "it to plain values, or pass allow_pickle=True to save and load"
+    )
+
+
+def decode_leaf(node: JSON, key: str, allow_pickle: bool) -> Any:
+    """Inverse of ``encode_leaf`` for one tagged or plain JSON value."""
+    if not isinstance(node, dict):
+        return node
+    ((tag, arg),) = node.items()
+    try:
+        if tag == "$int":
+            return int(arg)
+        if tag == "$float":
+            return float(arg)
+        if tag == "$complex":
+            return complex(float(arg[0]), float(arg[1]))
+        if tag == "$bytes":
+            return _unb64(arg)
+        if tag == "$bytearray":
+            return bytearray(_unb64(arg))
+        if tag == "$dtype":
+            dtype = getattr(torch, arg)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(arg)
+            return dtype
+        if tag == "$device":
+            return torch.device(arg)
+        if tag == "$ndarray":
+            dtype = np.dtype(arg["dtype"])
+            if dtype.kind in "OV":
+                raise ValueError(f"dtype {dtype}")
+            return np.frombuffer(_unb64(arg["data"]), dtype=dtype).reshape(arg["shape"]).copy()
+        if tag == "$npscalar":
+            dtype = np.dtype(arg["dtype"])
+            if dtype.kind in "OV":
+                raise ValueError(f"dtype {dtype}")
+            return np.frombuffer(_unb64(arg["data"]), dtype=dtype)[0]
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
+        raise CorruptCheckpointError(f"cannot decode value {tag} at {key!r}: {exc}") from exc
+    if tag == "$pickle":
+        if not allow_pickle:
+            raise UnsafeObjectError(
+                f"the value at {key!r} was stored with pickle; loading it runs code from the "
+                "checkpoint. Pass allow_pickle=True only if you trust who wrote it"
+            )
+        return pickle.loads(_unb64(arg))
+    raise CorruptCheckpointError(f"unknown value tag {tag!r} at {key!r}")
+
+
+def child_key(prefix: str, key: Any) -> str:
+    """The dotted name of a child, as in a ``state_dict``: ``model`` + ``w`` -> ``model.w``."""
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def encode(value: Any, key: str, on_tensor: Callable[[str, torch.Tensor], JSON],
+           on_object: Callable[[str, Any], Any], allow_pickle: bool) -> JSON:
+    """Encode a tree; ``on_object`` may replace a value (e.g. by its ``state_dict()``)."""
+    value = on_object(key, value)
+    kind = type(value)
+    if isinstance(value, torch.Tensor):
+        return on_tensor(key, value)
+    if kind in (dict, collections.OrderedDict):
+        pairs = [(k, encode(v, child_key(key, k), on_tensor, on_object, allow_pickle))
+                 for k, v in value.items()]
+        if kind is dict and all(type(k) is str and not k.startswith("$") for k, _ in pairs):
+            return dict(pairs)
+        tag = "$dict" if kind is dict else "$odict"
+        return {tag: [[encode_leaf_or_tuple(k, key, allow_pickle), v] for k, v in pairs]}
+    if kind is list:
+        return [encode(v, child_key(key, i), on_tensor, on_object, allow_pickle)
+                for i, v in enumerate(value)]
+    if kind is tuple or kind is torch.Size:
+        items = [encode(v, child_key(key, i), on_tensor, on_object, allow_pickle)
+                 for i, v in enumerate(value)]
+        return {"$size" if kind is torch.Size else "$tuple": items}
+    if kind in (set, frozenset):
+        items = sorted((encode_leaf_or_tuple(v, key, allow_pickle) for v in value), key=repr)
+        return {"$" + kind.__name__: items}
+    return encode_leaf(value, key, allow_pickle)
+
+
+def encode_leaf_or_tuple(value: Any, key: str, allow_pickle: bool) -> JSON:
+    """Encode a dict key or set member: a leaf or a tuple of them (no tensors)."""
+    if type(value) is tuple:
+        return {"$tuple": [encode_leaf_or_tuple(v, key, allow_pickle) for v in value]}
+    return encode_leaf(value, key, allow_pickle)
+
+
+def decode_key(node: JSON, key: str, allow_pickle: bool) -> Any:
+    """Inverse of ``encode_leaf_or_tuple``."""
+    if isinstance(node, dict) and "$tuple" in node:
+        return tuple(decode_key(v, key, allow_pickle) for v in node["$tuple"])
+    return decode_leaf(node, key, allow_pickle)
+
+
+CONTAINER_TAGS = ("$dict", "$odict", "$tuple", "$size", "$set", "$frozenset", "$tensor")
+
+
+def tag_of(node: JSON) -> str | None:
+    """The container or reference tag of an encoded node, ``"object"`` for a plain
+    JSON object, ``"list"`` for an array, ``None`` for a leaf."""
+    if isinstance(node, list):
+        return "list"
+    if isinstance(node, dict):
+        if len(node) == 1:
+            (tag,) = node
+            if tag in CONTAINER_TAGS:
+                return tag
+            if tag.startswith("$"):
+                return None
+        return "object"
+    return None
+
+
+def items_of(node: JSON, key: str, allow_pickle: bool) -> list[tuple[Any, JSON]]:
+    """The (key, child) pairs of an encoded mapping, list or tuple node."""
+    tag = tag_of(node)
+    if tag == "object":
+        return list(node.items())
+    if tag == "list":
+        return list(enumerate(node))
+    if tag in ("$tuple", "$size"):
+        return list(enumerate(node[tag]))
+    if tag in ("$dict", "$odict"):
+        try:
+            return [(decode_key(k, key, allow_pickle), v) for k, v in node[tag]]
+        except (TypeError, ValueError) as exc:
+            raise CorruptCheckpointError(f"malformed mapping at {key!r}: {exc}") from exc
+    raise CorruptCheckpointError(f"expected a container at {key!r}")
+
+
+def build_container(tag: str, items: list[tuple[Any, Any]]) -> Any:
+    """Make the Python container for ``tag`` from decoded (key, value) pairs."""
+    if tag in ("object", "$dict"):
+        return dict(items)
+    if tag == "$odict":
+        return collections.OrderedDict(items)
+    if tag == "list":
+        return [v for _, v in items]
+    if tag == "$tuple":
+        return tuple(v for _, v in items)
+    if tag == "$size":
+        return torch.Size([v for _, v in items])
+    raise ValueError(tag)
+
+
+def decode_set(node: JSON, key: str, allow_pickle: bool) -> set | frozenset:
+    """Decode a ``$set`` / ``$frozenset`` node."""
+    tag = tag_of(node)
+    members = [decode_key(v, key, allow_pickle) for v in node[tag]]
+    return set(members) if tag == "$set" else frozenset(members)

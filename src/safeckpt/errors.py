@@ -1,0 +1,43 @@
+"""The error tree: every failure safeckpt reports is a ``CheckpointError``.
+
+Each class also subclasses the closest builtin so that existing ``except``
+clauses (``FileNotFoundError``, ``OSError``, ``ValueError``) keep working.
+Messages say what went wrong, where (path, key, rank) and what to do.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base of every error raised by safeckpt."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint exists at the path."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A committed checkpoint already exists and ``overwrite`` was not given."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """A checkpoint's manifest or data does not match what was committed."""
+
+
+class StateMismatchError(CheckpointError, KeyError):
+    """The state to load into does not match the checkpoint (keys, shapes, dtypes)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage refused or failed an operation (full disk, read-only, permission)."""
+
+
+class UnsafeObjectError(CheckpointError, TypeError):
+    """A value cannot be stored or loaded without executing code (pickle)."""
+
+
+class SaveAbortedError(CheckpointError, RuntimeError):
+    """A save failed on one or more ranks and was aborted everywhere; nothing was committed."""

@@ -1,0 +1,26 @@
+"""Storage backends behind one small interface; ``open(url)`` picks one."""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import unquote, urlparse
+
+from ..errors import StorageError
+from .base import Storage, storage_error
+from .local import LocalStorage
+
+__all__ = ["Storage", "LocalStorage", "open", "storage_error"]
+
+
+def open(url: "str | os.PathLike[str] | Storage", **storage_options) -> Storage:  # noqa: A001
+    """The storage for a path, ``file://`` URL or (with extras) fsspec URL."""
+    if isinstance(url, Storage):
+        return url
+    text = os.fspath(url)
+    if text.startswith("file://"):
+        return LocalStorage(unquote(urlparse(text).path), **storage_options)
+    if "://" in text:
+        scheme = text.split("://", 1)[0]
+        raise StorageError(f"no storage backend for {scheme}:// URLs ({text}); "
+                           "object stores need the fsspec backend: pip install 'safeckpt[s3]'")
+    return LocalStorage(text, **storage_options)

@@ -1,0 +1,91 @@
+"""The ``Storage`` interface: the handful of operations the commit protocol needs.
+
+A ``Storage`` is a folder on some backend; names are ``/``-separated paths relative
+to it. Files are written once under their final name and never modified; nothing
+here needs rename. Capability flags tell the protocol what the backend can do.
+"""
+
+from __future__ import annotations
+
+import errno
+from abc import ABC, abstractmethod
+from typing import Iterable
+
+from ..errors import StorageError
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Storage(ABC):
+    """A folder of immutable files on one backend."""
+
+    #: a reader can never observe a partly written file under its final name
+    atomic_write: bool = False
+    #: ``write_file(..., exclusive=True)`` is enforced by the backend, not just checked first
+    exclusive_create: bool = True
+
+    url: str
+
+    @abstractmethod
+    def child(self, name: str) -> "Storage":
+        """The storage of a sub-folder."""
+
+    @abstractmethod
+    def write_file(self, name: str, parts: Iterable[Buffer]) -> int:
+        """Create ``name`` (which must not exist) from ``parts``; durable on return.
+
+        Returns the number of bytes written. Raises ``FileExistsError`` if the name
+        exists, ``StorageError`` for anything the backend refuses."""
+
+    @abstractmethod
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes of ``name`` from ``offset``; short files raise."""
+
+    @abstractmethod
+    def listdir(self) -> dict[str, int | None]:
+        """Entries directly in this folder: file name -> size, sub-folder -> None.
+
+        A missing folder lists as empty."""
+
+    @abstractmethod
+    def delete(self, names: Iterable[str]) -> None:
+        """Delete files (missing ones are fine); the deletion is durable on return."""
+
+    @abstractmethod
+    def remove_folder(self) -> None:
+        """Remove this folder if it is empty (a no-op where folders are implicit)."""
+
+    def read(self, name: str, offset: int = 0, size: int | None = None) -> bytes:
+        """Read ``size`` bytes (default: to the end) of ``name`` from ``offset``."""
+        if size is None:
+            size = self.size(name) - offset
+        out = bytearray(size)
+        self.read_into(name, offset, memoryview(out))
+        return bytes(out)
+
+    def size(self, name: str) -> int:
+        """The size of a file; ``FileNotFoundError`` if it does not exist."""
+        head, _, tail = name.rpartition("/")
+        folder = self.child(head) if head else self
+        size = folder.listdir().get(tail)
+        if size is None:
+            raise FileNotFoundError(errno.ENOENT, "no such file", f"{self.url}/{name}")
+        return size
+
+
+_REASONS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EROFS: "the filesystem is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EIO: "an I/O error (the device may be failing)",
+}
+
+
+def storage_error(exc: OSError, action: str, where: str) -> StorageError:
+    """Translate an ``OSError`` into a ``StorageError`` that says what, where and why."""
+    reason = _REASONS.get(exc.errno or 0, exc.strerror or str(exc))
+    err = StorageError(f"cannot {action} {where}: {reason} [{type(exc).__name__}: {exc}]")
+    err.errno = exc.errno
+    return err

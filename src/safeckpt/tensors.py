@@ -1,0 +1,70 @@
+"""Tensor <-> bytes without copies, and the dtype names used on storage."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .errors import CorruptCheckpointError, UnsafeObjectError
+
+# safetensors' names for the dtypes it knows; other dtypes are stored as raw "U8".
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+for _name, _code in (("float8_e4m3fnuz", "F8_E4M3FNUZ"), ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
+                     ("float8_e8m0fnu", "F8_E8M0")):
+    if hasattr(torch, _name):
+        SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``: the manifest's dtype name."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str, where: str) -> torch.dtype:
+    """Inverse of ``dtype_name``; unknown names mean a corrupt or newer checkpoint."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(
+            f"{where}: unknown dtype {name!r} (a newer torch or safeckpt wrote it, or it is corrupt)")
+    return dtype
+
+
+def nbytes_of(shape: list[int] | tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a dense tensor of ``shape`` and ``dtype``."""
+    n = 1
+    for d in shape:
+        n *= d
+    return n * dtype.itemsize
+
+
+def to_storable(t: torch.Tensor, key: str) -> torch.Tensor:
+    """A dense, contiguous CPU tensor with the same values, or a clear error."""
+    if t.is_quantized or t.layout != torch.strided or t.is_nested:
+        raise UnsafeObjectError(
+            f"cannot store tensor {key!r}: quantized, sparse and nested tensors are not "
+            "supported; convert it to a dense tensor first")
+    if t.device.type == "meta":
+        raise UnsafeObjectError(f"cannot store tensor {key!r}: it is on the meta device and has no data")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.contiguous()
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying (writable)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray())
+    try:
+        return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    except (RuntimeError, TypeError):
+        # dtypes numpy cannot view (e.g. some float8 / bits types): go through the address
+        return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")

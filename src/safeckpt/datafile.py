@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
 
 import torch
 
 from .checksum import checksum
-from .tensors import SAFETENSORS_DTYPES, byte_view, nbytes_of
+from .tensors import SAFETENSORS_DTYPES, byte_view, nbytes_of, to_storable
 
 COALESCE_BELOW = 1 << 20  # tensors smaller than this are gathered into one write
 COALESCE_BUFFER = 8 << 20
@@ -65,19 +66,33 @@ def plan_layout(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str
 
 
 def stream(layout: DataFileLayout, chunks_out: list[WrittenChunk]) -> Iterator[memoryview | bytes]:
-    """Yield the file's bytes in large pieces, appending each tensor's checksum to
-    ``chunks_out`` as it goes (small tensors are coalesced to save system calls)."""
+    """Yield the file's bytes in large pieces and fill ``chunks_out`` with every tensor's
+    checksum. Small tensors are coalesced to save system calls; large ones are hashed on
+    a helper thread while the previous piece is written (both release the GIL)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="safeckpt-hash") as hasher:
+        pending_sums: list[tuple[WrittenChunk, Future]] = []
+        yield from _pieces(layout, chunks_out, hasher, pending_sums)
+        for chunk, future in pending_sums:
+            chunk.checksum = future.result()
+
+
+def _pieces(layout: DataFileLayout, chunks_out: list[WrittenChunk], hasher: ThreadPoolExecutor,
+            pending_sums: list[tuple[WrittenChunk, Future]]) -> Iterator[memoryview | bytes]:
     yield layout.header
     pending = bytearray()
     for name, t, start, end in layout.entries:
+        t = to_storable(t, name)
         view = byte_view(t)
-        chunks_out.append(WrittenChunk(name, start, end, checksum(view)))
+        chunk = WrittenChunk(name, start, end, "")
+        chunks_out.append(chunk)
         if end - start < COALESCE_BELOW:
+            chunk.checksum = checksum(view)
             pending += view
             if len(pending) >= COALESCE_BUFFER:
                 yield pending
                 pending = bytearray()
             continue
+        pending_sums.append((chunk, hasher.submit(checksum, view)))
         if pending:
             yield pending
             pending = bytearray()

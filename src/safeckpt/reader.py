@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .checksum import checksum
+from .datafile import read_header_length
 from .errors import CorruptCheckpointError
 from .manifest import Chunk, Manifest, TensorEntry
 from .state import Read
@@ -81,13 +82,13 @@ class TensorReader:
             f = self.manifest.files[name]
             if f.header_size is None:
                 continue
-            data = self._read_bytes(name, 0, f.header_size)
+            data = self.read_bytes(name, 0, f.header_size)
             if checksum(data) != f.header_checksum:
                 raise CorruptCheckpointError(
                     f"{self.storage.url}/{name}: the safetensors header does not match its checksum "
                     "(the file was altered or damaged); restore from another checkpoint")
 
-    def _read_bytes(self, name: str, offset: int, size: int) -> bytes:
+    def read_bytes(self, name: str, offset: int, size: int) -> bytes:
         out = bytearray(size)
         self._read_into(name, offset, memoryview(out))
         return bytes(out)
@@ -128,8 +129,39 @@ class TensorReader:
                 pos += n
         if self.verify:
             for job in run:
-                if checksum(job.out) != job.chunk.checksum:
-                    raise CorruptCheckpointError(
-                        f"{self.storage.url}/{job.chunk.file}: tensor {job.name!r} (bytes "
-                        f"{job.chunk.start}-{job.chunk.end}) fails its checksum: the data is "
-                        "corrupt; restore from another checkpoint")
+                self.check_chunk(job.name, job.chunk, job.out)
+
+    def check_chunk(self, name: str, chunk: Chunk, data: memoryview) -> None:
+        """Raise ``CorruptCheckpointError`` naming file and tensor if ``data`` is not what was saved."""
+        if checksum(data) != chunk.checksum:
+            raise CorruptCheckpointError(
+                f"{self.storage.url}/{chunk.file}: tensor {name!r} (bytes {chunk.start}-{chunk.end}) "
+                "fails its checksum: the data is corrupt; restore from another checkpoint")
+
+    def verify_file(self, name: str) -> list[str]:
+        """Read every byte of one data file and return its problems (empty when sound)."""
+        f = self.manifest.files[name]
+        where = f"{self.storage.url}/{name}"
+        if f.header_size is None:  # a sealed file written by another tool
+            ok = f.checksum is None or checksum(self.read_bytes(name, 0, f.size)) == f.checksum
+            return [] if ok else [f"{where}: fails its checksum (altered or damaged)"]
+        prefix = self.read_bytes(name, 0, min(8, f.size))
+        claimed = read_header_length(prefix) if len(prefix) == 8 else None
+        if claimed is None or claimed + 8 > f.size or claimed + 8 != f.header_size:
+            return [f"{where}: the safetensors header claims {claimed} bytes; the file has {f.size} "
+                    f"and the manifest recorded {f.header_size - 8}"]
+        problems = []
+        checks = [lambda: self.check_headers({name})]
+        seen = set()
+        for tname, entry in self.manifest.tensors.items():
+            for chunk in entry.chunks:
+                if chunk.file == name and (chunk.start, chunk.end) not in seen:
+                    seen.add((chunk.start, chunk.end))
+                    checks.append(lambda t=tname, c=chunk: self.check_chunk(
+                        t, c, memoryview(self.read_bytes(name, c.start, c.end - c.start))))
+        for check in checks:
+            try:
+                check()
+            except CorruptCheckpointError as exc:
+                problems.append(str(exc))
+        return problems

@@ -22,6 +22,10 @@ for _name, _code in (("float8_e4m3fnuz", "F8_E4M3FNUZ"), ("float8_e5m2fnuz", "F8
         SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
 
 
+_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                 torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"``: the manifest's dtype name."""
     return str(dtype).removeprefix("torch.")
@@ -63,8 +67,11 @@ def byte_view(t: torch.Tensor) -> memoryview:
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(bytearray())
+    t = t.detach()
     try:
-        return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+        if t.dtype in _NUMPY_DTYPES:
+            return memoryview(t.numpy()).cast("B")
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy())
     except (RuntimeError, TypeError):
         # dtypes numpy cannot view (e.g. some float8 / bits types): go through the address
         return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")

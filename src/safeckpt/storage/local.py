@@ -4,13 +4,18 @@ Durability: every file is fsynced before ``write_file`` returns, and so is its f
 (where the OS allows: Windows and some filesystems refuse folder fsync, which is then
 skipped). Files are created with ``O_EXCL`` directly under their final name and the
 process umask applies; nothing is staged elsewhere and nothing is renamed.
+
+Every OS call goes through a small file-system object (``fs``), by default
+``OS_FILESYSTEM``, which calls the ``os`` module at call time (so tests that
+monkeypatch ``os.fsync`` and friends still reach this code). ``safeckpt.testing``
+passes a simulated disk instead to crash and power-cut saves on purpose.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-from typing import Iterable
+from typing import IO, Any, Iterable
 
 from .base import Buffer, Storage, storage_error
 
@@ -18,38 +23,93 @@ _NO_DIR_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES, errno.E
 _MAX_WRITE = 1 << 30
 
 
-def fsync_folder(path: str) -> None:
+class OSFileSystem:
+    """The real filesystem: the handful of ``os`` calls ``LocalStorage`` makes.
+
+    Each method looks the ``os`` function up when called, so monkeypatching
+    ``os.fsync``, ``os.open`` ... in tests keeps working. A replacement (such as
+    ``safeckpt.testing.SimulatedDisk``) provides the same methods."""
+
+    @property
+    def name(self) -> str:
+        """``os.name`` of the platform: ``"nt"`` skips folder fsync entirely."""
+        return os.name
+
+    def open(self, path: str, flags: int, mode: int = 0o777) -> int:
+        return os.open(path, flags, mode)
+
+    def write(self, fd: int, data: Buffer) -> int:
+        return os.write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def mkdir(self, path: str) -> None:
+        os.mkdir(path)
+
+    def rmdir(self, path: str) -> None:
+        os.rmdir(path)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def scandir(self, path: str) -> Any:
+        """A context manager iterating entries with ``name``, ``is_dir()``, ``stat()``."""
+        return os.scandir(path)
+
+    def open_reader(self, path: str) -> IO[bytes]:
+        """An unbuffered binary file with ``seek`` and ``readinto``."""
+        return open(path, "rb", buffering=0)
+
+    def replace(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+
+OS_FILESYSTEM = OSFileSystem()
+
+
+def fsync_folder(path: str, fs: OSFileSystem | None = None) -> None:
     """Make a folder's entries durable; skipped where the platform cannot."""
-    if os.name == "nt":
+    fs = fs or OS_FILESYSTEM
+    if fs.name == "nt":
         return
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = fs.open(path, os.O_RDONLY)
     except OSError as exc:
         if exc.errno in _NO_DIR_FSYNC:
             return
         raise
     try:
-        os.fsync(fd)
+        fs.fsync(fd)
     except OSError as exc:
         if exc.errno not in _NO_DIR_FSYNC:
             raise
     finally:
-        os.close(fd)
+        fs.close(fd)
 
 
-def _write_all(fd: int, data: Buffer) -> None:
+def _write_all(fs: OSFileSystem, fd: int, data: Buffer) -> None:
     view = memoryview(data).cast("B")
     while view:
-        n = os.write(fd, view[:_MAX_WRITE])
+        n = fs.write(fd, view[:_MAX_WRITE])
         view = view[n:]
 
 
 class LocalStorage(Storage):
-    """A folder on a local or network filesystem."""
+    """A folder on a local or network filesystem.
+
+    ``fs`` replaces the OS calls (default: the real ``os``); see ``OSFileSystem``."""
 
     atomic_write = False  # a reader may see a file before it is complete
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, fs: OSFileSystem | None = None) -> None:
+        self.fs = fs if fs is not None else OS_FILESYSTEM
         self.path = os.path.abspath(os.fspath(path))
         self.url = self.path
 
@@ -57,40 +117,41 @@ class LocalStorage(Storage):
         return os.path.join(self.path, *name.split("/"))
 
     def child(self, name: str) -> "LocalStorage":
-        return LocalStorage(self._full(name))
+        return LocalStorage(self._full(name), fs=self.fs)
 
     def _ensure_folder(self, folder: str) -> None:
-        if os.path.isdir(folder):
+        if self.fs.isdir(folder):
             return
         parent = os.path.dirname(folder)
         self._ensure_folder(parent)
         try:
-            os.mkdir(folder)
+            self.fs.mkdir(folder)
         except FileExistsError:
             return
-        fsync_folder(parent)
+        fsync_folder(parent, self.fs)
 
     def write_file(self, name: str, parts: Iterable[Buffer]) -> int:
+        fs = self.fs
         path = self._full(name)
         written = 0
         try:
             self._ensure_folder(os.path.dirname(path))
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+            fd = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
         except FileExistsError:
             raise
         except OSError as exc:
             raise storage_error(exc, "create", path) from exc
         try:
             for part in parts:
-                _write_all(fd, part)
+                _write_all(fs, fd, part)
                 written += len(part)
-            os.fsync(fd)  # on EIO: fail the save, never retry (the pages may be gone)
+            fs.fsync(fd)  # on EIO: fail the save, never retry (the pages may be gone)
         except OSError as exc:
             raise storage_error(exc, "write", path) from exc
         finally:
-            os.close(fd)
+            fs.close(fd)
         try:
-            fsync_folder(os.path.dirname(path))
+            fsync_folder(os.path.dirname(path), fs)
         except OSError as exc:
             raise storage_error(exc, "sync the folder of", path) from exc
         return written
@@ -98,7 +159,7 @@ class LocalStorage(Storage):
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         path = self._full(name)
         try:
-            with open(path, "rb", buffering=0) as f:
+            with self.fs.open_reader(path) as f:
                 f.seek(offset)
                 view = out.cast("B") if out.format != "B" else out
                 while view:
@@ -113,7 +174,7 @@ class LocalStorage(Storage):
 
     def listdir(self) -> dict[str, int | None]:
         try:
-            with os.scandir(self.path) as it:
+            with self.fs.scandir(self.path) as it:
                 return {e.name: None if e.is_dir() else e.stat().st_size for e in it}
         except (FileNotFoundError, NotADirectoryError):
             return {}
@@ -125,22 +186,28 @@ class LocalStorage(Storage):
         for name in names:
             path = self._full(name)
             try:
-                os.unlink(path)
+                self.fs.unlink(path)
             except FileNotFoundError:
                 continue
             except OSError as exc:
                 raise storage_error(exc, "delete", path) from exc
             folders.add(os.path.dirname(path))
         for folder in folders:
-            fsync_folder(folder)
+            try:
+                fsync_folder(folder, self.fs)
+            except OSError as exc:
+                raise storage_error(exc, "sync the folder", folder) from exc
 
     def remove_folder(self) -> None:
         try:
-            os.rmdir(self.path)
+            self.fs.rmdir(self.path)
         except FileNotFoundError:
             return
         except OSError as exc:
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
                 return
             raise storage_error(exc, "remove folder", self.path) from exc
-        fsync_folder(os.path.dirname(self.path))
+        try:
+            fsync_folder(os.path.dirname(self.path), self.fs)
+        except OSError as exc:
+            raise storage_error(exc, "sync the folder of", self.path) from exc

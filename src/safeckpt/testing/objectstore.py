@@ -1,0 +1,186 @@
+"""``MemoryObjectStore``: a ``Storage`` that behaves like S3/GCS/Azure, in memory.
+
+No folders (a "folder" is a key prefix), no rename, no append; a PUT is atomic and
+whole (a crash mid-upload leaves nothing), a conditional create (``If-None-Match``)
+makes ``write_file`` exclusive, and whatever a call acknowledged is durable, so a power
+cut loses nothing. Operations are numbered like ``SimulatedDisk``'s (kinds ``put``,
+``get``, ``list``, ``delete``) for crash points and ``Fault`` rules -- e.g.
+``Fault("put", errno.EIO, effect="after")`` is a 5xx whose PUT in fact happened.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import random
+from typing import Iterable
+
+from ..errors import StorageError
+from ..storage.base import Buffer, Storage, storage_error
+from .faults import Fault, OpCounter, make_error
+
+__all__ = ["MemoryObjectStore", "ObjectBucket"]
+
+
+class ObjectBucket:
+    """The objects (key -> bytes) and the operation counter of one simulated bucket."""
+
+    def __init__(self, *, crash_after: int | None = None, faults: Iterable[Fault] = (),
+                 latency: "float | dict[str, float]" = 0.0, seed: int | None = 0,
+                 stale_listings: int = 0) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.counter = OpCounter(crash_after, faults, latency, seed)
+        self.stale_listings = stale_listings
+        self._stale: dict[str, list] = {}
+
+    name = "object-store"
+
+    @property
+    def ops(self) -> int:
+        return self.counter.ops
+
+    @property
+    def crash_after(self) -> int | None:
+        return self.counter.crash_after
+
+    @crash_after.setter
+    def crash_after(self, k: int | None) -> None:
+        self.counter.crash_after = k
+
+    @property
+    def crashed(self):
+        return self.counter.crashed
+
+    @property
+    def log(self) -> list[tuple[int, str, str]]:
+        return self.counter.log
+
+    def inject(self, op: str, error, **kw) -> Fault:
+        """Add a ``Fault`` rule (see ``Fault``) and return it."""
+        fault = Fault(op, error, **kw)
+        self.counter.faults.append(fault)
+        return fault
+
+    def clone(self) -> "ObjectBucket":
+        twin = copy.deepcopy(self)
+        twin.counter.ops = 0
+        twin.counter.log = []
+        return twin
+
+    def crash(self, rng: "random.Random | int | None" = None, mode: str = "random") -> None:
+        """A crash of the client: every acknowledged PUT/DELETE is durable, so nothing
+        is lost; the bucket works again afterwards."""
+        self.counter.revive()
+        self._stale.clear()
+
+    def files(self, prefix: str = "") -> dict[str, bytes]:
+        """Every object under ``prefix``: key relative to it -> bytes."""
+        prefix = prefix.strip("/")
+        start = prefix + "/" if prefix else ""
+        return {k[len(start):]: v for k, v in sorted(self.objects.items()) if k.startswith(start)}
+
+    def storage(self, path: str = "ckpt") -> "MemoryObjectStore":
+        """A ``MemoryObjectStore`` on this bucket under the key prefix ``path``."""
+        return MemoryObjectStore(self, path)
+
+
+class MemoryObjectStore(Storage):
+    """An in-memory object store (see module docstring)."""
+
+    atomic_write = True
+    exclusive_create = True
+
+    def __init__(self, bucket: ObjectBucket | None = None, prefix: str = "") -> None:
+        self.bucket = bucket if bucket is not None else ObjectBucket()
+        self.prefix = prefix.strip("/")
+        self.url = f"memobj://{self.prefix}"
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def child(self, name: str) -> "MemoryObjectStore":
+        return MemoryObjectStore(self.bucket, self._key(name.strip("/")))
+
+    def _op(self, kind: str, key: str, action: str) -> None:
+        counter = self.bucket.counter
+        if counter.tick(kind, key):
+            raise counter.die(kind, key)
+        try:
+            counter.check(kind, key)
+        except (FileNotFoundError, FileExistsError):
+            raise
+        except OSError as exc:
+            raise storage_error(exc, action, f"{self.url}/{key}") from exc
+
+    def _after(self, kind: str, key: str, action: str) -> None:
+        try:
+            self.bucket.counter.check(kind, key, effect="after")
+        except (FileNotFoundError, FileExistsError):
+            raise
+        except OSError as exc:
+            raise storage_error(exc, action, f"{self.url}/{key}") from exc
+
+    def write_file(self, name: str, parts: Iterable[Buffer]) -> int:
+        key = self._key(name)
+        body = b"".join(bytes(memoryview(p).cast("B")) for p in parts)  # upload buffer
+        self._op("put", key, "upload")
+        if key in self.bucket.objects:  # If-None-Match: * -> 412 Precondition Failed
+            raise FileExistsError(errno.EEXIST, "object exists (412 Precondition Failed)", key)
+        self.bucket.objects[key] = body
+        self._invalidate(key)
+        self._after("put", key, "upload")
+        return len(body)
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        key = self._key(name)
+        self._op("get", key, "read")
+        data = self.bucket.objects.get(key)
+        if data is None:
+            raise FileNotFoundError(errno.ENOENT, "no such object", f"{self.url}/{name}")
+        view = out.cast("B") if out.format != "B" else out
+        piece = data[offset:offset + len(view)]
+        if len(piece) < len(view):
+            raise EOFError(f"{self.url}/{name} ends before byte {offset + len(view)}")
+        view[:] = piece
+
+    def listdir(self) -> dict[str, int | None]:
+        start = self.prefix + "/" if self.prefix else ""
+        self._op("list", start, "list")
+        stale = self.bucket._stale.get(start)
+        if stale is not None:
+            stale[1] -= 1
+            if stale[1] <= 0:
+                del self.bucket._stale[start]
+            return dict(stale[0])
+        return self._list(start)
+
+    def _list(self, start: str) -> dict[str, int | None]:
+        out: dict[str, int | None] = {}
+        for key, data in self.bucket.objects.items():
+            if key.startswith(start):
+                head, sep, _ = key[len(start):].partition("/")
+                out[head] = None if sep else len(data)
+        return out
+
+    def _invalidate(self, key: str) -> None:
+        if self.bucket.stale_listings:
+            start = key.rpartition("/")[0]
+            start = start + "/" if start else ""
+            if start not in self.bucket._stale:
+                before = self._list(start)
+                before.pop(key[len(start):], None) if key in self.bucket.objects else None
+                self.bucket._stale[start] = [before, self.bucket.stale_listings]
+
+    def delete(self, names: Iterable[str]) -> None:
+        for name in names:
+            key = self._key(name)
+            self._op("delete", key, "delete")
+            if self.bucket.stale_listings and key in self.bucket.objects:
+                start = key.rpartition("/")[0]
+                start = start + "/" if start else ""
+                self.bucket._stale.setdefault(start, [self._list(start), self.bucket.stale_listings])
+            self.bucket.objects.pop(key, None)
+            self._after("delete", key, "delete")
+
+    def remove_folder(self) -> None:
+        """Folders are implicit: nothing to do, and no request is made."""

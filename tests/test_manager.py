@@ -1,0 +1,81 @@
+"""CheckpointManager: naming, listing, restore choice, retention."""
+
+import os
+
+import pytest
+import torch
+
+import safeckpt
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.full((4,), float(step)), "step": step}
+
+
+def test_empty_root_restores_nothing(tmp_path):
+    mgr = safeckpt.CheckpointManager(tmp_path / "run")
+    state = _state(0)
+    assert mgr.restore(state) is None
+    assert mgr.steps() == [] and mgr.latest_step() is None
+    assert torch.equal(state["w"], torch.zeros(4))
+
+
+def test_steps_are_zero_padded_and_sorted_numerically(tmp_path):
+    mgr = safeckpt.CheckpointManager(tmp_path)
+    for step in (10000, 9, 9000):
+        mgr.save(step, _state(step))
+    assert sorted(os.listdir(tmp_path)) == ["step-000000009", "step-000009000", "step-000010000"]
+    assert mgr.steps() == [9, 9000, 10000]
+    assert mgr.latest_step() == 10000
+
+
+def test_restore_newest_and_by_step(tmp_path):
+    with safeckpt.CheckpointManager(tmp_path) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step), metrics={"loss": 1.0 / step})
+        state = _state(0)
+        assert mgr.restore(state) == 3
+        assert state["step"] == 3 and torch.equal(state["w"], torch.full((4,), 3.0))
+        assert mgr.restore(state, step=2) == 2
+        assert state["step"] == 2 and torch.equal(state["w"], torch.full((4,), 2.0))
+        with pytest.raises(safeckpt.CheckpointNotFoundError):
+            mgr.restore(state, step=7)
+
+
+def test_keep_last_keeps_newest(tmp_path):
+    mgr = safeckpt.CheckpointManager(tmp_path, keep_last=2)
+    for step in range(1, 6):
+        mgr.save(step, _state(step))
+    assert mgr.steps() == [4, 5]
+    assert sorted(os.listdir(tmp_path)) == ["step-000000004", "step-000000005"]
+
+
+def test_saving_an_existing_step_refuses(tmp_path):
+    mgr = safeckpt.CheckpointManager(tmp_path)
+    mgr.save(1, _state(1))
+    with pytest.raises(safeckpt.CheckpointExistsError):
+        mgr.save(1, _state(2))
+    state = _state(0)
+    mgr.restore(state)
+    assert state["step"] == 1
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError):
+        safeckpt.CheckpointManager(tmp_path, keep_last=0)
+    mgr = safeckpt.CheckpointManager(tmp_path)
+    with pytest.raises(ValueError):
+        mgr.save(-1, _state(1))
+    mgr.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        mgr.save(1, _state(1))
+
+
+def test_metrics_and_metadata_are_recorded(tmp_path):
+    mgr = safeckpt.CheckpointManager(tmp_path)
+    info = mgr.save(5, _state(5), metrics={"loss": 0.5}, metadata={"run": "a"})
+    assert info.step == 5 and info.bytes > 0 and info.metadata == {"run": "a"}
+    from safeckpt.checkpoint import read_committed
+    from safeckpt.storage import open as open_storage
+    m = read_committed(open_storage(mgr.path(5)))
+    assert m.step == 5 and m.metrics == {"loss": 0.5} and m.metadata == {"run": "a"}

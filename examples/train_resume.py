@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,7 @@ import safeckpt
 TOTAL_STEPS = 60
 SAVE_EVERY = 10
 KILL_FROM_STEP = 40          # arm the kill for this save (and later ones, if one is missed)
-N_SAMPLES, DIM, HIDDEN, CLASSES, BATCH = 2048, 256, 1024, 10, 64
+N_SAMPLES, DIM, HIDDEN, CLASSES, BATCH = 1024, 256, 1024, 10, 32
 HERE = Path(__file__).resolve()
 
 
@@ -83,7 +84,8 @@ def set_rng_states(rng: dict) -> None:
 
 class SaveKiller(threading.Thread):
     """SIGKILLs this process once a checkpoint save is caught half-way: a new folder under
-    ``root`` holds a non-empty data file but no manifest yet. Only watches while armed."""
+    ``root`` holds a data file of a few MB (of ~16) but no manifest yet. Only watches
+    while armed, so the kill always lands inside a save."""
 
     def __init__(self, root: Path):
         super().__init__(daemon=True)
@@ -105,7 +107,7 @@ class SaveKiller(threading.Thread):
                     if folder.name in self.known or not folder.is_dir():
                         continue
                     files = {f.name: f.stat().st_size for f in folder.iterdir()}
-                    data = {n: s for n, s in files.items() if "data-" in n and s > 0}
+                    data = {n: s for n, s in files.items() if "data-" in n and s >= 4_000_000}
                     if data and not any(n.startswith("manifest-") for n in files):
                         name, size = next(iter(data.items()))
                         print(f"  !! SIGKILL now: {folder.name}/{name} has {size / 1e6:.1f} MB "
@@ -137,7 +139,11 @@ def train(ckpt_root: Path, out: Path | None, kill: bool) -> None:
         killer.start()
     with safeckpt.CheckpointManager(ckpt_root, keep_last=2) as mgr:
         st = state()
-        restored = mgr.restore(st)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            restored = mgr.restore(st)   # newest committed step, skipping any that isn't
+        for w in caught:
+            print("  safeckpt warns: " + str(w.message).replace("\n", "\n    "))
         if restored is None:
             print("  no checkpoint yet: starting from scratch")
         else:
@@ -204,7 +210,9 @@ def describe(root: Path) -> None:
             verdict = f"not a checkpoint ({type(exc).__name__})"
         print(f"    {folder.name}/  {verdict}")
         for n in names:
-            print(f"        {n}  ({(folder / n).stat().st_size / 1e6:.1f} MB)")
+            size = (folder / n).stat().st_size
+            print(f"        {n}  ({size / 1e6:.1f} MB)" if size >= 100_000 else
+                  f"        {n}  ({size / 1e3:.1f} kB)")
 
 
 def compare(ref: dict, got: dict) -> list[str]:
@@ -228,8 +236,7 @@ def compare(ref: dict, got: dict) -> list[str]:
     return diffs
 
 
-def main(work: Path) -> int:
-    t0 = time.perf_counter()
+def main(work: Path, t0: float) -> int:
     run_dir, ref_dir = work / "run", work / "reference"
     ref_out, resumed_out = work / "reference.pt", work / "resumed.pt"
 
@@ -280,6 +287,7 @@ def main(work: Path) -> int:
 
 
 if __name__ == "__main__":
+    start = time.perf_counter()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -295,6 +303,6 @@ if __name__ == "__main__":
         sys.exit(0)
     if a.workdir is not None:
         a.workdir.mkdir(parents=True, exist_ok=False)
-        sys.exit(main(a.workdir))
+        sys.exit(main(a.workdir, start))
     with tempfile.TemporaryDirectory(prefix="safeckpt-demo-") as tmp:
-        sys.exit(main(Path(tmp)))
+        sys.exit(main(Path(tmp), start))

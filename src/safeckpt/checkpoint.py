@@ -1,9 +1,8 @@
 """One checkpoint: ``save``, ``load``, ``load_state`` and ``verify``.
 
-The save protocol (DESIGN.md): write and fsync data files named with a fresh save id,
-then write the manifest last; only then delete what an older manifest of the same
-folder referenced (manifest first, data after). A checkpoint is committed exactly when
-its folder holds a valid manifest; the valid one with the highest sequence wins.
+A checkpoint is committed exactly when its folder holds a valid manifest; the valid
+one with the highest sequence wins. ``commit.SaveRun`` writes one (data first,
+manifest last); deletion goes the other way (``retire``: manifests first, data after).
 """
 
 from __future__ import annotations
@@ -17,17 +16,17 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
-from .checksum import checksum
-from .datafile import WrittenChunk, plan_layout, stream
-from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
-                     StateMismatchError)
-from .manifest import (MANIFEST_RE, Chunk, FileEntry, Manifest, TensorEntry, decode_manifest,
-                       encode_manifest, manifest_name)
+import torch
+
+from . import errors as errors_module
+from .commit import DATA_RE, SaveRun, read_existing
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError, UnsupportedFormatError
+from .group import resolve
+from .manifest import Manifest, decode_manifest, manifest_name, manifest_seq
 from .reader import TensorReader
 from .state import LoadPlanner, flatten
 from .storage import Storage
 from .storage import open as open_storage
-from .tensors import dtype_name
 
 PathLike = "str | os.PathLike[str] | Storage"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -73,14 +72,9 @@ def new_save_id() -> str:
     return f"{int(time.time()):08x}{secrets.token_hex(6)}"
 
 
-def data_file_name(save_id: str, rank: int) -> str:
-    return f"data-{save_id}-r{rank:05d}.safetensors"
-
-
 def manifest_seqs(listing: dict[str, int | None]) -> list[tuple[int, str]]:
     """(sequence, name) of every manifest file in a listing, highest first."""
-    found = [(int(m.group(1)), name) for name in listing if (m := MANIFEST_RE.match(name))]
-    return sorted(found, reverse=True)
+    return sorted(((s, n) for n in listing if (s := manifest_seq(n)) is not None), reverse=True)
 
 
 def _check_files(storage: Storage, m: Manifest, listing: dict[str, int | None], where: str) -> None:
@@ -101,10 +95,12 @@ def _size_or_none(storage: Storage, name: str) -> int | None:
 
 
 def read_committed(storage: Storage, listing: dict[str, int | None] | None = None) -> Manifest:
-    """The winning manifest of a checkpoint folder (see module docstring).
+    """The winning manifest of a checkpoint folder.
 
-    Raises ``CheckpointNotFoundError`` when there is no manifest at all and
-    ``CorruptCheckpointError`` (with every manifest's problem) when none is valid."""
+    Raises ``CheckpointNotFoundError`` when there is no manifest at all,
+    ``UnsupportedFormatError`` when the newest is from a newer safeckpt (never falling
+    back past it), and ``CorruptCheckpointError`` with every manifest's problem when
+    none is valid."""
     if listing is None:
         listing = storage.listdir()
     seqs = manifest_seqs(listing)
@@ -120,6 +116,8 @@ def read_committed(storage: Storage, listing: dict[str, int | None] | None = Non
             if m.seq != seq:
                 raise CorruptCheckpointError(f"{where}: records sequence {m.seq}, its name says {seq}")
             _check_files(storage, m, listing, where)
+        except UnsupportedFormatError:
+            raise
         except CorruptCheckpointError as exc:
             problems.append(str(exc))
             continue
@@ -145,6 +143,23 @@ def gc_paused(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def plain_values(values: dict | None, what: str) -> dict:
+    """Metadata and metrics as plain values: one-element tensors and NumPy scalars become
+    Python numbers; a non-dict is refused before anything is written."""
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise TypeError(f"{what} must be a dict, not {type(values).__name__}")
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        elif hasattr(v, "item") and type(v).__module__ == "numpy":
+            v = v.item()
+        out[k] = plain_values(v, what) if isinstance(v, dict) else v
+    return out
+
+
 @gc_paused
 def save(state: dict, path: PathLike, *, overwrite: bool = False, metadata: dict | None = None,
          process_group: Any = None, storage_options: dict | None = None,
@@ -152,80 +167,37 @@ def save(state: dict, path: PathLike, *, overwrite: bool = False, metadata: dict
          metrics: dict | None = None) -> CheckpointInfo:
     """Save ``state`` as a committed checkpoint at ``path`` (see DESIGN.md).
 
-    Raises ``CheckpointExistsError`` if one is already committed there and
-    ``overwrite`` is false; with ``overwrite`` the old one stays loadable until the new
-    manifest is written. On any error nothing is committed and the files this save
-    wrote are removed."""
+    Inside a torch.distributed job every rank calls it; each writes only its part and
+    rank 0 commits. Raises ``CheckpointExistsError`` if a checkpoint is committed there
+    and ``overwrite`` is false; with ``overwrite`` the old one stays loadable until the
+    new manifest is written. On any error nothing is committed, the files this save
+    wrote are removed, and every rank raises."""
     started = time.perf_counter()
-    flat = flatten(state, allow_pickle)  # refuse bad state before touching storage
+    metadata, metrics = plain_values(metadata, "metadata"), plain_values(metrics, "metrics")
+    from .manifest import encode_values
+    encode_values(metadata, "metadata"), encode_values(metrics, "metrics")  # refuse early
+    group = resolve(process_group)
     storage = open_storage(path, **(storage_options or {}))
-    listing = storage.listdir()
-    old: Manifest | None = None
-    try:
-        old = read_committed(storage, listing)
-    except (CheckpointNotFoundError, CorruptCheckpointError):
-        pass
-    if old is not None and not overwrite:
-        raise CheckpointExistsError(
-            f"a committed checkpoint exists at {storage.url} (step {old.step}); pass overwrite=True "
-            "to replace it atomically, or save to another path")
-    seq = max((s for s, _ in manifest_seqs(listing)), default=0) + 1
-    save_id = new_save_id()
-    data_name = data_file_name(save_id, 0)
-    try:
-        manifest = _write_data(storage, flat, data_name, save_id)
-        manifest.seq, manifest.step = seq, step
-        manifest.metadata, manifest.metrics = dict(metadata or {}), dict(metrics or {})
-        try:
-            storage.write_file(manifest_name(seq), [encode_manifest(manifest)])
-        except FileExistsError as exc:
-            raise CheckpointExistsError(
-                f"another save committed {manifest_name(seq)} in {storage.url} at the same time; "
-                "two writers are using one checkpoint path") from exc
-    except BaseException:
-        _remove_quietly(storage, [data_name])
-        raise
-    if old is not None:
-        retire(storage, keep=manifest)
-    return CheckpointInfo(path=storage.url, save_id=save_id, seq=seq, step=step,
+    run = SaveRun(group, storage, overwrite=overwrite, step=step, metadata=metadata, metrics=metrics,
+                  new_save_id=new_save_id, existing=read_existing)
+    if group.size == 1:
+        flat = flatten(state, allow_pickle)  # refuse a bad state before touching storage
+        manifest = run.run(lambda: flat)
+    else:
+        manifest = run.run(lambda: flatten(state, allow_pickle, group.rank))
+    return CheckpointInfo(path=storage.url, save_id=manifest.save_id, seq=manifest.seq, step=step,
                           bytes=manifest.total_bytes, files=list(manifest.files),
-                          seconds=time.perf_counter() - started, metadata=manifest.metadata)
-
-
-def _write_data(storage: Storage, flat, data_name: str, save_id: str) -> Manifest:
-    items = list(flat.tensors.items())
-    layout = plan_layout(items, {"format": "pt", "safeckpt_save_id": save_id})
-    written: list[WrittenChunk] = []
-    size = storage.write_file(data_name, stream(layout, written))
-    tensors: dict[str, TensorEntry] = {}
-    dtypes = {name: t for name, t in items}
-    for w in written:
-        t = dtypes[w.name]
-        shape = list(t.shape)
-        tensors[w.name] = TensorEntry(dtype_name(t.dtype), shape,
-                                      [Chunk(data_name, w.start, w.end, w.checksum, [0] * len(shape), shape)])
-    for alias, first in flat.aliases.items():
-        tensors[alias] = tensors[first]
-    header = layout.header
-    files = {data_name: FileEntry(data_name, size, rank=0, header_size=len(header),
-                                  header_checksum=checksum(header))}
-    return Manifest(save_id=save_id, seq=0, created=time.time(), world_size=1, files=files,
-                    tensors=tensors, tree=flat.tree)
-
-
-def _remove_quietly(storage: Storage, names: list[str]) -> None:
-    try:
-        storage.delete(names)
-    except OSError:
-        pass
+                          seconds=time.perf_counter() - started, world_size=manifest.world_size,
+                          metadata=manifest.metadata)
 
 
 def retire(storage: Storage, keep: Manifest | None) -> None:
     """Delete every manifest other than ``keep`` (first, durably), then the data files
-    only they referenced. With ``keep=None`` the checkpoint is deleted entirely."""
+    only they referenced. With ``keep=None`` the checkpoint is deleted entirely,
+    including data files of interrupted saves into the same folder."""
     listing = storage.listdir()
     others = [name for seq, name in manifest_seqs(listing) if keep is None or seq != keep.seq]
-    doomed: set[str] = set()
+    doomed: set[str] = {n for n in listing if DATA_RE.fullmatch(n)} if keep is None else set()
     for name in others:
         try:
             doomed.update(decode_manifest(storage.read(name), name).files)
@@ -237,36 +209,88 @@ def retire(storage: Storage, keep: Manifest | None) -> None:
     storage.delete(sorted(doomed))
 
 
+def _committed_for_group(storage: Storage, group: Any) -> Manifest:
+    """Rank 0 picks the manifest and sends its bytes, so every rank loads the same one
+    even where listings disagree (NFS attribute caches)."""
+    if group.size == 1:
+        return read_committed(storage)
+    choice: Any = None
+    if group.rank == 0:
+        try:
+            m = read_committed(storage)
+            name = manifest_name(m.seq)
+            choice = (name, storage.read(name))
+        except CheckpointError as exc:
+            choice = exc
+    choice = group.broadcast(choice)
+    if isinstance(choice, BaseException):
+        raise choice
+    name, data = choice
+    return decode_manifest(data, f"{storage.url}/{name}")
+
+
+def _agree(group: Any, error: BaseException | None, what: str) -> None:
+    """Every rank learns whether any rank failed; all raise together or none does."""
+    if group.size == 1:
+        if error is not None:
+            raise error
+        return
+    failures = group.all_gather(None if error is None else (type(error).__name__, str(error)))
+    failed = {r: f for r, f in enumerate(failures) if f is not None}
+    if not failed:
+        return
+    if error is not None:
+        raise error
+    kind = getattr(errors_module, next(iter(failed.values()))[0], CheckpointError)
+    if not (isinstance(kind, type) and issubclass(kind, CheckpointError)):
+        kind = CheckpointError
+    lines = "\n  ".join(f"rank {r}: {name}: {msg}" for r, (name, msg) in sorted(failed.items()))
+    raise kind(f"{what} failed on rank(s) {sorted(failed)}:\n  {lines}")
+
+
 @gc_paused
 def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = True,
          process_group: Any = None, storage_options: dict | None = None,
          allow_pickle: bool = False) -> None:
     """Load a checkpoint into ``state`` in place (see DESIGN.md).
 
-    Every mismatch is found before anything is read, so ``StateMismatchError`` leaves
-    ``state`` untouched; with ``strict=False`` what matches is loaded and the rest is
-    reported in a warning."""
+    Each rank reads only the bytes of its own part. Every mismatch is found before
+    anything is read, so ``StateMismatchError`` leaves ``state`` untouched; with
+    ``strict=False`` what matches is loaded and the rest is reported in a warning.
+    In a distributed job, a failure on any rank raises on every rank."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, not {type(state).__name__}")
+    group = resolve(process_group)
     storage = open_storage(path, **(storage_options or {}))
-    manifest = read_committed(storage)
-    planner = LoadPlanner(manifest.tensors, strict, allow_pickle)
-    build = planner.plan(state, manifest.tree)
-    if planner.problems:
-        listing = "\n  ".join(planner.problems)
-        if strict:
+    manifest = _committed_for_group(storage, group)
+    planner = LoadPlanner(manifest.tensors, strict, allow_pickle, group.rank, group.size)
+    error: BaseException | None = None
+    try:
+        build = planner.plan(state, manifest.tree)
+        if planner.problems and strict:
+            listing = "\n  ".join(planner.problems)
             raise StateMismatchError(
                 f"the state does not match the checkpoint at {storage.url} ({len(planner.problems)} "
                 f"problem(s)):\n  {listing}\nfix the state, or pass strict=False to load what matches")
-        warnings.warn(f"loaded {storage.url} with strict=False; not loaded:\n  {listing}", stacklevel=2)
-    TensorReader(storage, manifest, verify).run(planner.reads)
-    build()
+    except CheckpointError as exc:
+        error = exc
+    _agree(group, error, f"loading {storage.url}")
+    if planner.problems:
+        warnings.warn(f"loaded {storage.url} with strict=False; not loaded:\n  "
+                      + "\n  ".join(planner.problems), stacklevel=3)
+    try:
+        TensorReader(storage, manifest, verify).run(planner.reads)
+        build()
+    except CheckpointError as exc:
+        error = exc
+    _agree(group, error, f"loading {storage.url}")
 
 
 @gc_paused
 def load_state(path: PathLike, *, verify: bool = True, storage_options: dict | None = None,
                allow_pickle: bool = False) -> dict:
-    """The saved state as a new nested dict of CPU tensors and values."""
+    """The saved state as a new nested dict of full CPU tensors and values (rank-local
+    values come back as a list indexed by rank)."""
     storage = open_storage(path, **(storage_options or {}))
     manifest = read_committed(storage)
     planner = LoadPlanner(manifest.tensors, True, allow_pickle)

@@ -12,6 +12,17 @@ def checksum(data) -> str:
     return f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(data)}"
 
 
+BLOCK_SIZE = 16 << 20  # chunks are checksummed per block so partial reads can be verified
+
+
+def block_checksums(data, block_size: int = BLOCK_SIZE) -> list[str]:
+    """Checksums of consecutive ``block_size`` blocks of ``data`` (one for empty data)."""
+    view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
+    if len(view) <= block_size:
+        return [checksum(view)]
+    return [checksum(view[i:i + block_size]) for i in range(0, len(view), block_size)]
+
+
 def is_checksum(value: object) -> bool:
     """True when ``value`` is a checksum string this version can check."""
     if not isinstance(value, str) or not value.startswith(ALGORITHM + ":"):

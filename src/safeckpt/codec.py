@@ -14,12 +14,13 @@ import base64
 import collections
 import math
 import pickle
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from .errors import CorruptCheckpointError, UnsafeObjectError
+from .errors import CheckpointError, CorruptCheckpointError, UnsafeObjectError
 
 JSON = Any
 _SAFE_INT = 2**53
@@ -37,14 +38,23 @@ def _encode_float(x: float) -> JSON:
     return x if math.isfinite(x) else {"$float": repr(x)}
 
 
-def _encode_ndarray(a: np.ndarray, key: str) -> JSON:
+def _encode_ndarray(a: np.ndarray, key: str, allow_pickle: bool) -> JSON:
     if a.dtype.kind in "OV":
+        if allow_pickle:
+            return _pickled(a, key)
         raise UnsafeObjectError(
             f"cannot store NumPy array of dtype {a.dtype} at {key!r}: object and structured "
-            "arrays need pickle; convert it to a tensor or plain values"
+            "arrays need pickle; convert it to a tensor or plain values, or pass allow_pickle=True"
         )
     return {"$ndarray": {"dtype": a.dtype.str, "shape": list(a.shape),
                          "data": _b64(np.ascontiguousarray(a).tobytes())}}
+
+
+def _pickled(value: Any, key: str) -> JSON:
+    try:
+        return {"$pickle": _b64(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))}
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise UnsafeObjectError(f"cannot store the value at {key!r} even with pickle: {exc}") from exc
 
 
 def encode_leaf(value: Any, key: str, allow_pickle: bool) -> JSON:
@@ -53,7 +63,7 @@ def encode_leaf(value: Any, key: str, allow_pickle: bool) -> JSON:
     if value is None or kind in (bool, str):
         return value
     if kind is int:
-        return value if -_SAFE_INT < value < _SAFE_INT else {"$int": str(value)}
+        return value if -_SAFE_INT < value < _SAFE_INT else {"$int": hex(value)}
     if kind is float:
         return _encode_float(value)
     if kind is complex:
@@ -67,11 +77,11 @@ def encode_leaf(value: Any, key: str, allow_pickle: bool) -> JSON:
     if kind is torch.device:
         return {"$device": str(value)}
     if isinstance(value, np.ndarray) and kind is np.ndarray:
-        return _encode_ndarray(value, key)
+        return _encode_ndarray(value, key, allow_pickle)
     if isinstance(value, np.generic) and value.dtype.kind not in "OV":
         return {"$npscalar": {"dtype": value.dtype.str, "data": _b64(value.tobytes())}}
     if allow_pickle:
-        return {"$pickle": _b64(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))}
+        return _pickled(value, key)
     raise UnsafeObjectError(
         f"cannot store {kind.__module__}.{kind.__qualname__} at {key!r} without pickle, "
         "which would run code when loaded; give it state_dict()/load_state_dict(), convert "
@@ -86,11 +96,11 @@ def decode_leaf(node: JSON, key: str, allow_pickle: bool) -> Any:
     ((tag, arg),) = node.items()
     try:
         if tag == "$int":
-            return int(arg)
+            return int(arg, 0)
         if tag == "$float":
             return float(arg)
         if tag == "$complex":
-            return complex(float(arg[0]), float(arg[1]))
+            return complex(*(float(decode_leaf(part, key, False)) for part in arg))
         if tag == "$bytes":
             return _unb64(arg)
         if tag == "$bytearray":
@@ -129,10 +139,20 @@ def child_key(prefix: str, key: Any) -> str:
     return f"{prefix}.{key}" if prefix else str(key)
 
 
+@dataclass
+class Encoded:
+    """Returned by an ``on_object`` hook: JSON that ``encode`` emits as it is."""
+
+    json: JSON
+
+
 def encode(value: Any, key: str, on_tensor: Callable[[str, torch.Tensor], JSON],
            on_object: Callable[[str, Any], Any], allow_pickle: bool) -> JSON:
-    """Encode a tree; ``on_object`` may replace a value (e.g. by its ``state_dict()``)."""
+    """Encode a tree; ``on_object`` may replace a value (e.g. by its ``state_dict()``)
+    or encode it itself by returning ``Encoded``."""
     value = on_object(key, value)
+    if isinstance(value, Encoded):
+        return value.json
     kind = type(value)
     if isinstance(value, torch.Tensor):
         return on_tensor(key, value)
@@ -170,7 +190,7 @@ def decode_key(node: JSON, key: str, allow_pickle: bool) -> Any:
     return decode_leaf(node, key, allow_pickle)
 
 
-CONTAINER_TAGS = ("$dict", "$odict", "$tuple", "$size", "$set", "$frozenset", "$tensor")
+CONTAINER_TAGS = ("$dict", "$odict", "$tuple", "$size", "$set", "$frozenset", "$tensor", "$local")
 
 
 def tag_of(node: JSON) -> str | None:
@@ -201,6 +221,8 @@ def items_of(node: JSON, key: str, allow_pickle: bool) -> list[tuple[Any, JSON]]
     if tag in ("$dict", "$odict"):
         try:
             return [(decode_key(k, key, allow_pickle), v) for k, v in node[tag]]
+        except CheckpointError:
+            raise
         except (TypeError, ValueError) as exc:
             raise CorruptCheckpointError(f"malformed mapping at {key!r}: {exc}") from exc
     raise CorruptCheckpointError(f"expected a container at {key!r}")
@@ -226,3 +248,16 @@ def decode_set(node: JSON, key: str, allow_pickle: bool) -> set | frozenset:
     tag = tag_of(node)
     members = [decode_key(v, key, allow_pickle) for v in node[tag]]
     return set(members) if tag == "$set" else frozenset(members)
+
+
+def decode_value(node: JSON, key: str, allow_pickle: bool = False) -> Any:
+    """Decode a tree that holds no tensor references (metadata, metrics, keys)."""
+    tag = tag_of(node)
+    if tag is None:
+        return decode_leaf(node, key, allow_pickle)
+    if tag in ("$set", "$frozenset"):
+        return decode_set(node, key, allow_pickle)
+    if tag == "$tensor":
+        raise CorruptCheckpointError(f"unexpected tensor reference at {key!r}")
+    return build_container(tag, [(k, decode_value(v, child_key(key, k), allow_pickle))
+                                 for k, v in items_of(node, key, allow_pickle)])

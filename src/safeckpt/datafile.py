@@ -1,41 +1,41 @@
 """Data files: standard safetensors files written by streaming tensor memory to storage.
 
 Layout: 8-byte little-endian header length N, N bytes of JSON header (padded with
-spaces to a multiple of 8), then every tensor's bytes back to back. The manifest
-records each tensor's absolute byte range and checksum, and the header's checksum,
-so every byte of the file is covered.
+spaces to a multiple of 8), then every piece's bytes back to back. The manifest
+records each piece's absolute byte range and block checksums, and the header's
+checksum, so every byte of the file is covered.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
-from .checksum import checksum
+from .checksum import block_checksums
 from .tensors import SAFETENSORS_DTYPES, byte_view, nbytes_of, to_storable
 
-COALESCE_BELOW = 1 << 20  # tensors smaller than this are gathered into one write
+COALESCE_BELOW = 1 << 20  # pieces smaller than this are gathered into one write
 COALESCE_BUFFER = 8 << 20
 
 
 @dataclass
-class WrittenChunk:
-    """Where one tensor landed in a data file."""
+class WrittenPiece:
+    """Where one piece landed in a data file, and its block checksums."""
 
     name: str
     start: int
     end: int
-    checksum: str
+    checksums: list[str] = field(default_factory=list)
 
 
 @dataclass
 class DataFileLayout:
-    """The header of a data file and where each tensor goes; computed before writing."""
+    """The header of a data file and where each piece goes; computed before writing."""
 
     header: bytes
     entries: list[tuple[str, torch.Tensor, int, int]]  # name, tensor, start, end
@@ -45,54 +45,58 @@ class DataFileLayout:
         return self.entries[-1][3] if self.entries else len(self.header)
 
 
-def plan_layout(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> DataFileLayout:
-    """Place contiguous CPU tensors back to back after a safetensors header."""
+def _header_key(name: str) -> str:
+    # "__metadata__" is reserved by safetensors; the manifest keeps the real name
+    return "_" + name if name == "__metadata__" else name
+
+
+def plan_layout(pieces: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> DataFileLayout:
+    """Place pieces back to back after a safetensors header (no data is touched)."""
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     spans = []
-    for name, t in tensors:
+    for name, t in pieces:
         n = nbytes_of(t.shape, t.dtype)
         code = SAFETENSORS_DTYPES.get(t.dtype)
         shape = list(t.shape) if code else [n]
-        header[name] = {"dtype": code or "U8", "shape": shape, "data_offsets": [offset, offset + n]}
+        header[_header_key(name)] = {"dtype": code or "U8", "shape": shape, "data_offsets": [offset, offset + n]}
         spans.append((offset, offset + n))
         offset += n
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     prefix = struct.pack("<Q", len(text)) + text
     base = len(prefix)
-    entries = [(name, t, base + a, base + b) for (name, t), (a, b) in zip(tensors, spans)]
+    entries = [(name, t, base + a, base + b) for (name, t), (a, b) in zip(pieces, spans)]
     return DataFileLayout(prefix, entries)
 
 
-def stream(layout: DataFileLayout, chunks_out: list[WrittenChunk]) -> Iterator[memoryview | bytes]:
-    """Yield the file's bytes in large pieces and fill ``chunks_out`` with every tensor's
-    checksum. Small tensors are coalesced to save system calls; large ones are hashed on
-    a helper thread while the previous piece is written (both release the GIL)."""
+def stream(layout: DataFileLayout, written: list[WrittenPiece]) -> Iterator[memoryview | bytes]:
+    """Yield the file's bytes in large pieces and fill ``written`` with every piece's
+    checksums. Small pieces are coalesced to save system calls; large ones are hashed
+    on a helper thread while they are written (both release the GIL)."""
     with ThreadPoolExecutor(1, thread_name_prefix="safeckpt-hash") as hasher:
-        pending_sums: list[tuple[WrittenChunk, Future]] = []
-        yield from _pieces(layout, chunks_out, hasher, pending_sums)
-        for chunk, future in pending_sums:
-            chunk.checksum = future.result()
+        hashing: list[tuple[WrittenPiece, Future]] = []
+        yield from _pieces(layout, written, hasher, hashing)
+        for piece, future in hashing:
+            piece.checksums = future.result()
 
 
-def _pieces(layout: DataFileLayout, chunks_out: list[WrittenChunk], hasher: ThreadPoolExecutor,
-            pending_sums: list[tuple[WrittenChunk, Future]]) -> Iterator[memoryview | bytes]:
+def _pieces(layout: DataFileLayout, written: list[WrittenPiece], hasher: ThreadPoolExecutor,
+            hashing: list[tuple[WrittenPiece, Future]]) -> Iterator[memoryview | bytes]:
     yield layout.header
     pending = bytearray()
     for name, t, start, end in layout.entries:
-        t = to_storable(t, name)
-        view = byte_view(t)
-        chunk = WrittenChunk(name, start, end, "")
-        chunks_out.append(chunk)
+        view = byte_view(to_storable(t, name))
+        piece = WrittenPiece(name, start, end)
+        written.append(piece)
         if end - start < COALESCE_BELOW:
-            chunk.checksum = checksum(view)
+            piece.checksums = block_checksums(view)
             pending += view
             if len(pending) >= COALESCE_BUFFER:
                 yield pending
                 pending = bytearray()
             continue
-        pending_sums.append((chunk, hasher.submit(checksum, view)))
+        hashing.append((piece, hasher.submit(block_checksums, view)))
         if pending:
             yield pending
             pending = bytearray()

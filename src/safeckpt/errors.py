@@ -24,6 +24,10 @@ class CorruptCheckpointError(CheckpointError, ValueError):
     """A checkpoint's manifest or data does not match what was committed."""
 
 
+class UnsupportedFormatError(CorruptCheckpointError):
+    """The checkpoint was written in a newer format version than this safeckpt reads."""
+
+
 class StateMismatchError(CheckpointError, KeyError):
     """The state to load into does not match the checkpoint (keys, shapes, dtypes)."""
 
@@ -40,4 +44,10 @@ class UnsafeObjectError(CheckpointError, TypeError):
 
 
 class SaveAbortedError(CheckpointError, RuntimeError):
-    """A save failed on one or more ranks and was aborted everywhere; nothing was committed."""
+    """A save failed on one or more ranks and was aborted everywhere; nothing was committed.
+
+    ``errors`` maps each failing rank to its error message."""
+
+    def __init__(self, message: str, errors: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.errors = dict(errors or {})

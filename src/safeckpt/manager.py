@@ -1,4 +1,8 @@
-"""Runs of checkpoints: one folder per step, retention after commit, restore with fallback."""
+"""Runs of checkpoints: one folder per step, retention after commit, restore with fallback.
+
+In a distributed job every rank makes the same calls; rank 0 looks at the storage and
+tells the others what it saw, so the ranks never branch on listings that disagree.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,13 @@ import warnings
 from typing import Any
 
 from .checkpoint import CheckpointInfo, load, read_committed, retire, save
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from .group import SingleGroup, TorchGroup, resolve
 from .storage import Storage
 from .storage import open as open_storage
 
 log = logging.getLogger("safeckpt")
-STEP_RE = re.compile(r"^step-(\d{9,})$")
+STEP_RE = re.compile(r"step-([0-9]{9,})", re.ASCII)
 
 
 def step_folder(step: int) -> str:
@@ -37,31 +42,58 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.process_group = process_group
         self.allow_pickle = allow_pickle
+        self._group: SingleGroup | TorchGroup | None = None
         self._closed = False
+
+    @property
+    def group(self) -> SingleGroup | TorchGroup:
+        if self._group is None:
+            self._group = resolve(self.process_group)
+        return self._group
+
+    def _on_rank0(self, fn: Any) -> Any:
+        """Run ``fn`` on rank 0 and give every rank its result (or its error)."""
+        result: Any = None
+        if self.group.rank == 0:
+            try:
+                result = fn()
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                result = exc
+        result = self.group.broadcast(result) if self.group.size > 1 else result
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     # -- listing ---------------------------------------------------------------------
     def _step_folders(self) -> list[int]:
         found = [int(m.group(1)) for name, size in self.storage.listdir().items()
-                 if size is None and (m := STEP_RE.match(name))]
+                 if size is None and (m := STEP_RE.fullmatch(name))]
         return sorted(found)
 
-    def _committed(self, step: int) -> bool:
+    def _not_committed(self, step: int) -> str | None:
+        """None when ``step`` has a committed checkpoint, else why not."""
+        return self._status(step)[1]
+
+    def _status(self, step: int) -> tuple[str, str | None]:
+        """("ok", None), ("incomplete", why) when no manifest exists (a save that never
+        committed), or ("damaged", why) when a manifest exists but is not valid."""
         try:
             read_committed(self.storage.child(step_folder(step)))
-            return True
-        except (CheckpointNotFoundError, CorruptCheckpointError):
-            return False
+            return "ok", None
+        except CheckpointNotFoundError as exc:
+            return "incomplete", str(exc)
+        except CorruptCheckpointError as exc:
+            return "damaged", str(exc)
 
     def steps(self) -> list[int]:
         """Steps with a committed checkpoint (valid manifest), ascending."""
-        return [s for s in self._step_folders() if self._committed(s)]
+        return self._on_rank0(lambda: [s for s in self._step_folders() if self._not_committed(s) is None])
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
-        for step in reversed(self._step_folders()):
-            if self._committed(step):
-                return step
-        return None
+        def newest() -> int | None:
+            return next((s for s in reversed(self._step_folders()) if self._not_committed(s) is None), None)
+        return self._on_rank0(newest)
 
     def path(self, step: int) -> str:
         """Where the checkpoint of ``step`` lives."""
@@ -74,19 +106,31 @@ class CheckpointManager:
         self._check_open()
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
-        info = save(state, self.storage.child(step_folder(step)), metadata=metadata, metrics=metrics,
-                    step=step, process_group=self.process_group, allow_pickle=self.allow_pickle)
+        folder = self.storage.child(step_folder(step))
+        try:
+            info = save(state, folder, metadata=metadata, metrics=metrics, step=step,
+                        process_group=self.group, allow_pickle=self.allow_pickle)
+        except BaseException:
+            if self.group.rank == 0:
+                _quietly(folder.remove_folder)  # only if the failed save left it empty
+            raise
         log.info("saved step %d: %d bytes in %.3fs (%.2f GB/s) to %s",
                  step, info.bytes, info.seconds, info.gbps, info.path)
-        self._retain()
+        if self.group.rank == 0:
+            self._retain(just_saved=step)
         return info
 
-    def _retain(self) -> None:
+    def _retain(self, just_saved: int) -> None:
         if self.keep_last is None:
             return
-        committed = self.steps()
+        committed = [s for s in self._step_folders() if self._not_committed(s) is None]
         for step in committed[:-self.keep_last]:
-            self.delete(step)
+            if step == just_saved:
+                continue  # an out-of-order save is kept until a later save retires it
+            try:
+                self.delete(step)
+            except OSError as exc:  # the save is committed; a failed cleanup is not its error
+                warnings.warn(f"retention could not delete step {step}: {exc}", stacklevel=3)
 
     def delete(self, step: int) -> None:
         """Delete a checkpoint: manifests first (durably), then its data, then the folder."""
@@ -99,35 +143,46 @@ class CheckpointManager:
     def restore(self, state: dict, step: int | None = None, *, strict: bool = True) -> int | None:
         """Load the newest valid checkpoint (or ``step``) into ``state``; return its step.
 
-        Corrupt or incomplete checkpoints are skipped with a warning naming each. Returns
-        None when the root has no committed checkpoint; raises if committed ones exist
-        but none loads (the state may then be partly overwritten)."""
+        Incomplete saves and corrupt checkpoints are skipped with a warning naming each.
+        Returns None when the root has no committed checkpoint; raises
+        ``CorruptCheckpointError`` if committed ones exist but none loads (the state
+        may then be partly overwritten)."""
         self._check_open()
         if step is not None:
-            load(state, self.path(step), strict=strict, allow_pickle=self.allow_pickle)
+            self._load(state, step, strict)
             return step
+        candidates = self._on_rank0(
+            lambda: [(s, *self._status(s)) for s in reversed(self._step_folders())])
         skipped: list[str] = []
-        failures: list[CheckpointError] = []
-        for candidate in reversed(self._step_folders()):
+        failed = False
+        for i, (candidate, status, why_not) in enumerate(candidates):
+            if status != "ok":
+                # a crash can leave only the newest save torn; older damage is corruption
+                failed = failed or (status == "damaged" and i > 0)
+                skipped.append(f"step {candidate}: not committed ({why_not})")
+                continue
             try:
-                load(state, self.path(candidate), strict=strict, allow_pickle=self.allow_pickle)
+                self._load(state, candidate, strict)
             except (CheckpointNotFoundError, CorruptCheckpointError, StorageError) as exc:
                 skipped.append(f"step {candidate}: {exc}")
-                if not isinstance(exc, CheckpointNotFoundError):
-                    failures.append(exc)
+                failed = True
                 continue
             if skipped:
                 warnings.warn(f"restored step {candidate} from {self.storage.url}; skipped:\n  "
                               + "\n  ".join(skipped), stacklevel=2)
             log.info("restored step %d from %s", candidate, self.storage.url)
             return candidate
-        if failures:
+        if failed:
             raise CorruptCheckpointError(
                 f"no checkpoint in {self.storage.url} could be restored:\n  " + "\n  ".join(skipped))
         if skipped:
             warnings.warn(f"no committed checkpoint in {self.storage.url}; skipped:\n  "
                           + "\n  ".join(skipped), stacklevel=2)
         return None
+
+    def _load(self, state: dict, step: int, strict: bool) -> None:
+        load(state, self.storage.child(step_folder(step)), strict=strict,
+             process_group=self.group, allow_pickle=self.allow_pickle)
 
     # -- lifecycle ---------------------------------------------------------------------
     def wait(self) -> None:
@@ -147,3 +202,10 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _quietly(fn: Any) -> None:
+    try:
+        fn()
+    except OSError:
+        pass

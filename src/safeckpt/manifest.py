@@ -8,21 +8,23 @@ and is simply not a commit. See docs/format.md.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checksum import ALGORITHM, checksum, is_checksum
-from .errors import CorruptCheckpointError
+from . import codec
+from .checksum import ALGORITHM, BLOCK_SIZE, checksum, is_checksum
+from .errors import CorruptCheckpointError, UnsupportedFormatError
 from .tensors import dtype_from_name, nbytes_of
 
 FORMAT_VERSION = 1
-MANIFEST_RE = re.compile(r"^manifest-(\d{6,})\.json$")
-MAX_MANIFEST_BYTES = 1 << 30
+MANIFEST_RE = re.compile(r"manifest-([0-9]{6,})\.json", re.ASCII)
 _PREFIX = b'{"safeckpt":'
-_SUFFIX_LEN = len(',"checksum":"') + len(ALGORITHM) + 1 + 16 + len('"}\n')
-_SAFE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+=@,-]*$")
+_SUFFIX_START = b',"checksum":"' + ALGORITHM.encode() + b":"
+_SUFFIX_LEN = len(_SUFFIX_START) + 16 + len(b'"}\n')
+_SAFE_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=@,-]*", re.ASCII)
 
 
 def manifest_name(seq: int) -> str:
@@ -30,12 +32,18 @@ def manifest_name(seq: int) -> str:
     return f"manifest-{seq:06d}.json"
 
 
+def manifest_seq(name: str) -> int | None:
+    """The sequence number in a manifest file name, or None for other names."""
+    m = MANIFEST_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
 def check_relpath(name: object, where: str) -> str:
     """A file name from a manifest must stay inside the checkpoint folder."""
     if not isinstance(name, str) or not name or "\\" in name or name.startswith("/"):
         raise CorruptCheckpointError(f"{where}: file name {name!r} is not a relative path inside the checkpoint")
     for part in name.split("/"):
-        if part in ("", ".", "..") or not _SAFE_PART.match(part):
+        if part in ("", ".", "..") or not _SAFE_PART.fullmatch(part):
             raise CorruptCheckpointError(f"{where}: file name {name!r} leaves the checkpoint folder or is not allowed")
     return name
 
@@ -54,12 +62,13 @@ class FileEntry:
 
 @dataclass
 class Chunk:
-    """A box of a logical tensor stored as one contiguous byte range of a file."""
+    """A box of a logical tensor stored as one contiguous row-major byte range of a
+    file, with one checksum per ``block_size`` bytes."""
 
     file: str
     start: int
     end: int
-    checksum: str
+    checksums: list[str]
     offsets: list[int]
     shape: list[int]
 
@@ -87,6 +96,7 @@ class Manifest:
     step: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
+    block_size: int = BLOCK_SIZE
     version: int = FORMAT_VERSION
 
     @property
@@ -94,11 +104,21 @@ class Manifest:
         return sum(f.size for f in self.files.values())
 
 
+def _no_tensors(key: str, t: Any) -> Any:
+    raise TypeError(f"{key}: tensors are not allowed in metadata or metrics")
+
+
+def encode_values(values: dict[str, Any], what: str) -> Any:
+    """Metadata and metrics go through the restricted codec (nan, tuples, int keys)."""
+    return codec.encode(values, what, _no_tensors, lambda k, v: v, allow_pickle=False)
+
+
 def encode_manifest(m: Manifest) -> bytes:
     """Serialize to the framed, self-checksummed form."""
     body = {
         "format_version": m.version, "save_id": m.save_id, "seq": m.seq, "created": m.created,
-        "world_size": m.world_size, "step": m.step, "metadata": m.metadata, "metrics": m.metrics,
+        "world_size": m.world_size, "step": m.step, "block_size": m.block_size,
+        "metadata": encode_values(m.metadata, "metadata"), "metrics": encode_values(m.metrics, "metrics"),
         "files": [{k: v for k, v in vars(f).items() if v is not None} for f in m.files.values()],
         "tensors": {name: {"dtype": t.dtype, "shape": t.shape, "chunks": [vars(c) for c in t.chunks]}
                     for name, t in m.tensors.items()},
@@ -113,21 +133,31 @@ def _need(cond: bool, where: str, what: str) -> None:
         raise CorruptCheckpointError(f"{where}: {what}")
 
 
+def _is_int(value: Any, minimum: int = 0) -> bool:
+    return type(value) is int and value >= minimum
+
+
 def _int_list(value: Any) -> bool:
-    return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+    return isinstance(value, list) and all(_is_int(v) for v in value)
+
+
+def _known(cls: type, entry: Any, where: str) -> dict:
+    """The fields of ``cls`` in a JSON object; unknown (newer, additive) fields are ignored."""
+    _need(isinstance(entry, dict), where, f"{cls.__name__} entry is not an object")
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in entry.items() if k in names}
 
 
 def decode_manifest(data: bytes, where: str) -> Manifest:
     """Check the frame, checksum, version and schema; raise ``CorruptCheckpointError``
-    naming ``where`` and the problem otherwise."""
+    naming ``where`` and the problem otherwise (``UnsupportedFormatError`` for a
+    manifest written by a newer safeckpt)."""
     _need(data.startswith(_PREFIX) and len(data) > len(_PREFIX) + _SUFFIX_LEN, where,
           "not a safeckpt manifest, or truncated (an interrupted save leaves this)")
     raw, suffix = data[len(_PREFIX):-_SUFFIX_LEN], data[-_SUFFIX_LEN:]
-    try:
-        stored = json.loads(b"{" + suffix[1:-1])["checksum"]
-    except (ValueError, KeyError, TypeError):
-        stored = None
-    _need(is_checksum(stored), where, "truncated or garbled (no checksum at the end)")
+    stored = suffix[len(b',"checksum":"'):-len(b'"}\n')].decode("ascii", "replace")
+    _need(suffix.startswith(_SUFFIX_START) and suffix.endswith(b'"}\n') and is_checksum(stored),
+          where, "truncated or garbled (no checksum at the end)")
     _need(checksum(raw) == stored, where, "checksum mismatch: the manifest is torn or was altered")
     try:
         body = json.loads(raw)
@@ -135,44 +165,78 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         raise CorruptCheckpointError(f"{where}: not valid JSON ({exc})") from exc
     _need(isinstance(body, dict), where, "body is not a JSON object")
     version = body.get("format_version")
-    _need(type(version) is int, where, "no format_version")
-    _need(version <= FORMAT_VERSION, where,
-          f"format version {version} is newer than this safeckpt understands "
-          f"({FORMAT_VERSION}); upgrade safeckpt to read it")
+    _need(_is_int(version, 1), where, f"bad format_version {version!r}")
+    if version > FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{where}: format version {version} is newer than this safeckpt understands "
+            f"({FORMAT_VERSION}); upgrade safeckpt to read it")
     try:
         return _decode_body(body, where)
+    except CorruptCheckpointError:
+        raise
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
-        if isinstance(exc, CorruptCheckpointError):
-            raise
         raise CorruptCheckpointError(f"{where}: malformed manifest ({exc!r})") from exc
 
 
-def _decode_body(body: dict, where: str) -> Manifest:
+def _decode_files(entries: Any, where: str) -> dict[str, FileEntry]:
     files: dict[str, FileEntry] = {}
-    for f in body["files"]:
-        entry = FileEntry(**f)
-        check_relpath(entry.name, where)
-        _need(type(entry.size) is int and entry.size >= 0, where, f"bad size for {entry.name}")
-        _need(entry.name not in files, where, f"file {entry.name} listed twice")
-        files[entry.name] = entry
+    for raw in entries:
+        f = FileEntry(**_known(FileEntry, raw, where))
+        check_relpath(f.name, where)
+        _need(_is_int(f.size), where, f"bad size for {f.name}")
+        _need(f.rank is None or _is_int(f.rank), where, f"bad rank for {f.name}")
+        _need(f.header_size is None or (_is_int(f.header_size, 8) and f.header_size <= f.size
+                                        and is_checksum(f.header_checksum)),
+              where, f"bad header record for {f.name}")
+        _need(f.checksum is None or is_checksum(f.checksum), where, f"bad checksum for {f.name}")
+        _need(f.name not in files, where, f"file {f.name} listed twice")
+        files[f.name] = f
+    return files
+
+
+def _decode_chunk(raw: Any, name: str, t: dict, dtype: Any, files: dict[str, FileEntry],
+                  block: int, where: str) -> Chunk:
+    c = Chunk(**_known(Chunk, raw, where))
+    _need(c.file in files, where, f"tensor {name!r} names unlisted file {c.file!r}")
+    _need(_int_list(c.offsets) and _int_list(c.shape) and len(c.shape) == len(t["shape"])
+          and len(c.offsets) == len(c.shape)
+          and all(o + s <= g for o, s, g in zip(c.offsets, c.shape, t["shape"])),
+          where, f"tensor {name!r}: chunk box outside the tensor")
+    _need(_is_int(c.start) and _is_int(c.end) and c.start <= c.end <= files[c.file].size
+          and c.end - c.start == nbytes_of(c.shape, dtype), where,
+          f"tensor {name!r}: byte range [{c.start}, {c.end}) does not fit {c.file} or its shape")
+    blocks = max(1, -(-(c.end - c.start) // block))
+    _need(isinstance(c.checksums, list) and len(c.checksums) == blocks
+          and all(is_checksum(s) for s in c.checksums), where, f"tensor {name!r}: bad checksums")
+    return c
+
+
+def _decode_body(body: dict, where: str) -> Manifest:
+    files = _decode_files(body["files"], where)
+    block = body.get("block_size", BLOCK_SIZE)
+    _need(_is_int(block, 1), where, f"bad block_size {block!r}")
     tensors: dict[str, TensorEntry] = {}
     for name, t in body["tensors"].items():
         dtype = dtype_from_name(t["dtype"], f"{where}: tensor {name!r}")
         _need(_int_list(t["shape"]), where, f"tensor {name!r}: bad shape {t['shape']!r}")
-        chunks = [Chunk(**c) for c in t["chunks"]]
-        for c in chunks:
-            _need(c.file in files, where, f"tensor {name!r} names unlisted file {c.file!r}")
-            _need(_int_list(c.offsets) and _int_list(c.shape) and len(c.shape) == len(t["shape"])
-                  and len(c.offsets) == len(c.shape)
-                  and all(o + s <= g for o, s, g in zip(c.offsets, c.shape, t["shape"])),
-                  where, f"tensor {name!r}: chunk box outside the tensor")
-            _need(type(c.start) is int and type(c.end) is int and 0 <= c.start <= c.end <= files[c.file].size
-                  and c.end - c.start == nbytes_of(c.shape, dtype), where,
-                  f"tensor {name!r}: byte range [{c.start}, {c.end}) does not fit {c.file} or its shape")
-            _need(is_checksum(c.checksum), where, f"tensor {name!r}: bad checksum {c.checksum!r}")
+        chunks = [_decode_chunk(c, name, t, dtype, files, block, where) for c in t["chunks"]]
+        covered = sum(nbytes_of(c.shape, dtype) for c in chunks)
+        _need(covered == nbytes_of(t["shape"], dtype), where,
+              f"tensor {name!r}: its chunks cover {covered} of {nbytes_of(t['shape'], dtype)} bytes")
         tensors[name] = TensorEntry(t["dtype"], t["shape"], chunks)
+    step, world = body.get("step"), body["world_size"]
+    _need(step is None or type(step) is int, where, f"bad step {step!r}")
+    _need(_is_int(world, 1), where, f"bad world_size {world!r}")
+    _need(isinstance(body["save_id"], str) and type(body["seq"]) is int
+          and isinstance(body["created"], (int, float)), where, "bad save_id, seq or created")
     return Manifest(
-        save_id=str(body["save_id"]), seq=int(body["seq"]), created=float(body["created"]),
-        world_size=int(body["world_size"]), files=files, tensors=tensors, tree=body["tree"],
-        step=body.get("step"), metadata=body.get("metadata") or {}, metrics=body.get("metrics") or {},
-        version=body["format_version"])
+        save_id=body["save_id"], seq=body["seq"], created=float(body["created"]), world_size=world,
+        files=files, tensors=tensors, tree=body["tree"], step=step, block_size=block,
+        metadata=decode_values(body.get("metadata") or {}, "metadata"),
+        metrics=decode_values(body.get("metrics") or {}, "metrics"), version=body["format_version"])
+
+
+def decode_values(node: Any, what: str) -> dict[str, Any]:
+    """Inverse of ``encode_values``."""
+    items = codec.items_of(node, what, allow_pickle=False)
+    return {k: codec.decode_value(v, codec.child_key(what, k)) for k, v in items}

@@ -1,7 +1,10 @@
-"""Reading tensors: byte ranges from data files straight into tensor memory, checked.
+"""Reading tensors: only the byte ranges a rank needs, straight into tensor memory,
+checked block by block.
 
-Adjacent small chunks of one file are read with one call and split; large chunks are
-read directly into the destination tensor when its memory can take them.
+A chunk that exactly fills a contiguous CPU destination is read into it directly.
+Otherwise the overlap of the chunk with the destination box is read as contiguous
+byte runs into a buffer of the overlap's size and copied into place. With
+verification on, every block a read touches is read whole and checked.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import torch
 from .checksum import checksum
 from .datafile import read_header_length
 from .errors import CorruptCheckpointError
-from .manifest import Chunk, Manifest, TensorEntry
+from .manifest import Chunk, Manifest
+from .plan import Box, byte_runs, overlap, volume
 from .state import Read
 from .storage import Storage
 from .tensors import byte_view, dtype_from_name
@@ -24,19 +28,25 @@ COALESCE_MAX = 16 << 20
 
 @dataclass
 class _Job:
+    """Bytes of one chunk to read: ``runs`` (start within the chunk, length), in order,
+    land back to back in ``out``."""
+
     name: str
     chunk: Chunk
+    runs: list[tuple[int, int]]
     out: memoryview
 
+    @property
+    def whole(self) -> bool:
+        return self.runs == [(0, self.chunk.end - self.chunk.start)]
 
-def _box(chunk: Chunk) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.shape))
+
+def _relative(inner: Box, outer_offsets: tuple[int, ...]) -> Box:
+    return tuple(o - b for o, b in zip(inner[0], outer_offsets)), inner[1]
 
 
-def _direct(dest: torch.Tensor, entry: TensorEntry, dtype: torch.dtype) -> bool:
-    """Can the single chunk of ``entry`` be read straight into ``dest``'s memory?"""
-    return (len(entry.chunks) == 1 and dest.device.type == "cpu" and dest.dtype == dtype
-            and dest.is_contiguous() and list(dest.shape) == entry.shape)
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(*box))
 
 
 class TensorReader:
@@ -47,34 +57,128 @@ class TensorReader:
         self.manifest = manifest
         self.verify = verify
 
+    # -- planning --------------------------------------------------------------------
     def run(self, reads: list[Read]) -> None:
         """Fill every ``Read``: its ``dest`` in place, or a new tensor in ``result``."""
-        if self.verify:
-            self.check_headers({c.file for r in reads for c in r.entry.chunks})
         jobs: list[_Job] = []
-        copies: list[tuple[torch.Tensor, tuple[slice, ...], torch.Tensor]] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         fresh: dict[tuple, torch.Tensor] = {}
         for read in reads:
             entry = read.entry
             dtype = dtype_from_name(entry.dtype, read.name)
             if read.dest is None:
                 key = (entry.dtype, tuple(entry.shape), tuple((c.file, c.start) for c in entry.chunks))
-                if key in fresh:  # tied tensors come back as one tensor
+                if key in fresh and volume(entry.shape):  # tied tensors come back as one tensor
                     read.result = fresh[key]
                     continue
                 read.result = fresh[key] = torch.empty(entry.shape, dtype=dtype)
-            target = read.dest if read.dest is not None else read.result
-            if _direct(target, entry, dtype):
-                jobs.append(_Job(read.name, entry.chunks[0], byte_view(target)))
-                continue
-            for chunk in entry.chunks:
-                tmp = torch.empty(chunk.shape, dtype=dtype)
-                jobs.append(_Job(read.name, chunk, byte_view(tmp)))
-                copies.append((target, _box(chunk), tmp))
-        self._read(jobs)
+            dest = read.dest if read.dest is not None else read.result
+            box = read.box or ((0,) * dest.dim(), tuple(dest.shape))
+            self._plan_read(read.name, entry.chunks, dest, box, dtype, jobs, copies)
+        if self.verify:
+            self.check_headers({j.chunk.file for j in jobs})
+        self._execute(jobs)
         with torch.no_grad():
-            for target, box, tmp in copies:
-                target[box].copy_(tmp)
+            for target, tmp in copies:
+                target.copy_(tmp)
+
+    def _plan_read(self, name: str, chunks: list[Chunk], dest: torch.Tensor, box: Box,
+                   dtype: torch.dtype, jobs: list[_Job], copies: list) -> None:
+        covered = 0
+        for chunk in chunks:
+            cbox = (tuple(chunk.offsets), tuple(chunk.shape))
+            ov = overlap(box, cbox) if volume(box[1]) else None
+            if ov is None:
+                continue
+            covered += volume(ov[1])
+            direct = (ov == cbox == box and dest.device.type == "cpu" and dest.dtype == dtype
+                      and dest.is_contiguous())
+            tmp = dest if direct else torch.empty(ov[1], dtype=dtype)
+            runs = byte_runs(cbox[1], _relative(ov, cbox[0]), dtype.itemsize)
+            jobs.append(_Job(name, chunk, runs, byte_view(tmp)))
+            if not direct:
+                copies.append((dest[_slices(_relative(ov, box[0]))], tmp))
+        if covered != volume(box[1]):
+            raise CorruptCheckpointError(
+                f"{self.storage.url}: tensor {name!r} has no saved data for part of box "
+                f"{list(box[0])}+{list(box[1])}")
+
+    # -- execution -------------------------------------------------------------------
+    def _execute(self, jobs: list[_Job]) -> None:
+        jobs.sort(key=lambda j: (j.chunk.file, j.chunk.start))
+        i = 0
+        while i < len(jobs):
+            run = [jobs[i]]
+            size = len(jobs[i].out)
+            while (i + len(run) < len(jobs) and size < COALESCE_MAX and len(run[-1].out) < COALESCE_BELOW
+                   and (nxt := jobs[i + len(run)]).whole and run[-1].whole
+                   and nxt.chunk.file == run[-1].chunk.file and nxt.chunk.start == run[-1].chunk.end
+                   and len(nxt.out) < COALESCE_BELOW):
+                run.append(nxt)
+                size += len(nxt.out)
+            i += len(run)
+            if len(run) > 1:
+                self._read_coalesced(run, size)
+            elif run[0].whole:
+                self._read_whole(run[0])
+            else:
+                self._read_partial(run[0])
+
+    def _read_coalesced(self, run: list[_Job], size: int) -> None:
+        buf = memoryview(bytearray(size))
+        self._read_into(run[0].chunk.file, run[0].chunk.start, buf)
+        pos = 0
+        for job in run:
+            n = len(job.out)
+            job.out[:] = buf[pos:pos + n]
+            pos += n
+            if self.verify:
+                self._check_blocks(job.name, job.chunk, job.out)
+
+    def _read_whole(self, job: _Job) -> None:
+        self._read_into(job.chunk.file, job.chunk.start, job.out)
+        if self.verify:
+            self._check_blocks(job.name, job.chunk, job.out)
+
+    def _read_partial(self, job: _Job) -> None:
+        """Read the blocks the runs touch (whole blocks when verifying), copy the runs out."""
+        block = self.manifest.block_size
+        chunk = job.chunk
+        pos = 0
+        for start, length in job.runs:
+            end = start + length
+            while start < end:
+                b = start // block
+                b_start, b_end = b * block, min((b + 1) * block, chunk.end - chunk.start)
+                lo, hi = (b_start, b_end) if self.verify else (start, min(end, b_end))
+                buf = self._read_bytes(chunk.file, chunk.start + lo, hi - lo)
+                if self.verify:
+                    self._check(job.name, chunk, b, buf)
+                take = min(end, b_end) - start
+                job.out[pos:pos + take] = buf[start - lo:start - lo + take]
+                pos += take
+                start += take
+
+    # -- checks ----------------------------------------------------------------------
+    def _check(self, name: str, chunk: Chunk, index: int, data: bytes | memoryview) -> None:
+        if checksum(data) != chunk.checksums[index]:
+            block = self.manifest.block_size
+            lo = chunk.start + index * block
+            raise CorruptCheckpointError(
+                f"{self.storage.url}/{chunk.file}: tensor {name!r} (bytes {lo}-{min(lo + block, chunk.end)}) "
+                "fails its checksum: the data is corrupt; restore from another checkpoint")
+
+    def _check_blocks(self, name: str, chunk: Chunk, data: memoryview) -> None:
+        block = self.manifest.block_size
+        for index in range(len(chunk.checksums)):
+            self._check(name, chunk, index, data[index * block:(index + 1) * block])
+
+    def _verify_chunk(self, name: str, chunk: Chunk) -> None:
+        """Check every block of a chunk, holding one block in memory at a time."""
+        block = self.manifest.block_size
+        for index in range(len(chunk.checksums)):
+            lo = chunk.start + index * block
+            self._check(name, chunk, index, self._read_bytes(chunk.file, lo, min(block, chunk.end - lo)))
 
     def check_headers(self, files: set[str]) -> None:
         """Data files' headers must match the checksums the manifest recorded."""
@@ -82,16 +186,43 @@ class TensorReader:
             f = self.manifest.files[name]
             if f.header_size is None:
                 continue
-            data = self.read_bytes(name, 0, f.header_size)
-            if checksum(data) != f.header_checksum:
+            if checksum(self._read_bytes(name, 0, f.header_size)) != f.header_checksum:
                 raise CorruptCheckpointError(
                     f"{self.storage.url}/{name}: the safetensors header does not match its checksum "
                     "(the file was altered or damaged); restore from another checkpoint")
 
-    def read_bytes(self, name: str, offset: int, size: int) -> bytes:
-        out = bytearray(size)
-        self._read_into(name, offset, memoryview(out))
-        return bytes(out)
+    def verify_file(self, name: str) -> list[str]:
+        """Read every byte of one file and return its problems (empty when sound)."""
+        f = self.manifest.files[name]
+        where = f"{self.storage.url}/{name}"
+        if f.header_size is None:  # a sealed file written by another tool
+            ok = f.checksum is None or checksum(self._read_bytes(name, 0, f.size)) == f.checksum
+            return [] if ok else [f"{where}: fails its checksum (altered or damaged)"]
+        prefix = self._read_bytes(name, 0, min(8, f.size))
+        claimed = read_header_length(prefix) if len(prefix) == 8 else None
+        if claimed is None or claimed + 8 != f.header_size:
+            return [f"{where}: the safetensors header claims {claimed} bytes; the file has {f.size} "
+                    f"and the manifest recorded {f.header_size - 8}"]
+        problems = []
+        checks = [lambda: self.check_headers({name})]
+        seen = set()
+        for tname, entry in self.manifest.tensors.items():
+            for c in entry.chunks:
+                if c.file == name and (c.start, c.end) not in seen:
+                    seen.add((c.start, c.end))
+                    checks.append(lambda t=tname, c=c: self._verify_chunk(t, c))
+        for check in checks:
+            try:
+                check()
+            except CorruptCheckpointError as exc:
+                problems.append(str(exc))
+        return problems
+
+    # -- storage ---------------------------------------------------------------------
+    def _read_bytes(self, name: str, offset: int, size: int) -> memoryview:
+        out = memoryview(bytearray(size))
+        self._read_into(name, offset, out)
+        return out
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> None:
         try:
@@ -99,69 +230,3 @@ class TensorReader:
         except (EOFError, FileNotFoundError) as exc:
             raise CorruptCheckpointError(
                 f"{self.storage.url}/{name}: {exc} (the file is truncated or missing)") from exc
-
-    def _read(self, jobs: list[_Job]) -> None:
-        jobs.sort(key=lambda j: (j.chunk.file, j.chunk.start))
-        i = 0
-        while i < len(jobs):
-            run = [jobs[i]]
-            size = len(jobs[i].out)
-            while (i + len(run) < len(jobs) and size < COALESCE_MAX
-                   and (nxt := jobs[i + len(run)]).chunk.file == run[-1].chunk.file
-                   and nxt.chunk.start == run[-1].chunk.end and len(nxt.out) < COALESCE_BELOW
-                   and len(run[-1].out) < COALESCE_BELOW):
-                run.append(nxt)
-                size += len(nxt.out)
-            i += len(run)
-            self._read_run(run, size)
-
-    def _read_run(self, run: list[_Job], size: int) -> None:
-        first = run[0].chunk
-        if len(run) == 1:
-            self._read_into(first.file, first.start, run[0].out)
-        else:
-            buf = memoryview(bytearray(size))
-            self._read_into(first.file, first.start, buf)
-            pos = 0
-            for job in run:
-                n = len(job.out)
-                job.out[:] = buf[pos:pos + n]
-                pos += n
-        if self.verify:
-            for job in run:
-                self.check_chunk(job.name, job.chunk, job.out)
-
-    def check_chunk(self, name: str, chunk: Chunk, data: memoryview) -> None:
-        """Raise ``CorruptCheckpointError`` naming file and tensor if ``data`` is not what was saved."""
-        if checksum(data) != chunk.checksum:
-            raise CorruptCheckpointError(
-                f"{self.storage.url}/{chunk.file}: tensor {name!r} (bytes {chunk.start}-{chunk.end}) "
-                "fails its checksum: the data is corrupt; restore from another checkpoint")
-
-    def verify_file(self, name: str) -> list[str]:
-        """Read every byte of one data file and return its problems (empty when sound)."""
-        f = self.manifest.files[name]
-        where = f"{self.storage.url}/{name}"
-        if f.header_size is None:  # a sealed file written by another tool
-            ok = f.checksum is None or checksum(self.read_bytes(name, 0, f.size)) == f.checksum
-            return [] if ok else [f"{where}: fails its checksum (altered or damaged)"]
-        prefix = self.read_bytes(name, 0, min(8, f.size))
-        claimed = read_header_length(prefix) if len(prefix) == 8 else None
-        if claimed is None or claimed + 8 > f.size or claimed + 8 != f.header_size:
-            return [f"{where}: the safetensors header claims {claimed} bytes; the file has {f.size} "
-                    f"and the manifest recorded {f.header_size - 8}"]
-        problems = []
-        checks = [lambda: self.check_headers({name})]
-        seen = set()
-        for tname, entry in self.manifest.tensors.items():
-            for chunk in entry.chunks:
-                if chunk.file == name and (chunk.start, chunk.end) not in seen:
-                    seen.add((chunk.start, chunk.end))
-                    checks.append(lambda t=tname, c=chunk: self.check_chunk(
-                        t, c, memoryview(self.read_bytes(name, c.start, c.end - c.start))))
-        for check in checks:
-            try:
-                check()
-            except CorruptCheckpointError as exc:
-                problems.append(str(exc))
-        return problems

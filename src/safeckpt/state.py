@@ -1,7 +1,8 @@
-"""From a user's state to named items and back.
+"""From a user's state to named pieces and back.
 
 Saving: ``flatten`` walks the state, replaces objects that have ``state_dict()`` by
-their state, gives every tensor its dotted name and encodes everything else with the
+their state, turns every tensor into a named piece (a whole replicated tensor, a
+``Shard``/DTensor box, or a rank-local tensor) and encodes everything else with the
 restricted codec. Loading: ``LoadPlanner`` matches the state to load into against the
 saved tree *before reading anything*, so a mismatch leaves the state untouched; it
 returns the reads to do and a ``build`` step that puts the results in place.
@@ -17,72 +18,114 @@ import torch
 from . import codec
 from .errors import StateMismatchError, UnsafeObjectError
 from .manifest import TensorEntry
-from .tensors import dtype_from_name
+from .plan import Box, PieceInfo
+from .shards import RankLocal, Shard, dtensor_box, is_dtensor
+from .tensors import dtype_from_name, dtype_name, is_storable, nbytes_of, to_storable
 
 
 def is_stateful(obj: Any) -> bool:
     """Objects saved as their ``state_dict()`` and loaded with ``load_state_dict``."""
-    return (not isinstance(obj, (torch.Tensor, dict, list, tuple, type))
+    return (not isinstance(obj, (torch.Tensor, dict, list, tuple, type, Shard, RankLocal))
             and callable(getattr(obj, "state_dict", None))
             and callable(getattr(obj, "load_state_dict", None)))
 
 
 @dataclass
+class Piece:
+    """A tensor (or part of one) this rank holds, with its description."""
+
+    tensor: torch.Tensor
+    info: PieceInfo
+
+
+@dataclass
 class FlatState:
-    """A state as the manifest's tree plus its tensors, each named once."""
+    """A state as the manifest's tree plus its pieces, each name once per rank."""
 
     tree: Any
-    tensors: dict[str, torch.Tensor]
+    pieces: dict[str, Piece]
     aliases: dict[str, str] = field(default_factory=dict)  # tied name -> first name
 
 
-def _storage_key(t: torch.Tensor) -> tuple:
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(),
-            tuple(t.shape), tuple(t.stride()), t.dtype)
+def local_name(key: str, rank: int) -> str:
+    """The manifest name of a rank-local tensor."""
+    return f"{key}@{rank}"
 
 
-def flatten(state: dict, allow_pickle: bool = False) -> FlatState:
+def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState:
     """Walk ``state``; tensors that are the same view of the same memory are stored once."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, not {type(state).__name__}")
-    tensors: dict[str, torch.Tensor] = {}
+    pieces: dict[str, Piece] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
 
-    def on_tensor(key: str, t: torch.Tensor) -> dict:
-        if key in tensors or key in aliases:
-            raise UnsafeObjectError(f"two tensors in the state are both named {key!r}; rename one of the keys")
-        if t.is_quantized or t.layout != torch.strided or t.is_nested or t.device.type == "meta":
-            raise UnsafeObjectError(
-                f"cannot store tensor {key!r} ({t.layout}, {t.dtype}, on {t.device}): only dense "
-                "tensors with data are supported; convert it first")
-        skey = _storage_key(t) if t.numel() else None
-        if skey is not None and skey in seen:
-            aliases[key] = seen[skey]
+    def add(name: str, t: torch.Tensor, kind: str, global_shape: list[int], offsets: list[int]) -> dict:
+        if name in pieces or name in aliases:
+            raise UnsafeObjectError(f"two tensors in the state are both named {name!r}; rename one of the keys")
+        if not is_storable(t):
+            to_storable(t, name)  # raises the clear error
+        skey = (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, kind, tuple(offsets))
+        if t.numel() and skey in seen:
+            aliases[name] = seen[skey]
         else:
-            tensors[key] = t
-            if skey is not None:
-                seen[skey] = key
-        return {"$tensor": key}
+            info = PieceInfo(name, kind, dtype_name(t.dtype), tuple(global_shape), tuple(offsets),
+                             tuple(t.shape), nbytes_of(t.shape, t.dtype))
+            pieces[name] = Piece(t, info)
+            if t.numel():
+                seen[skey] = name
+        return {"$tensor": name}
 
-    def on_object(key: str, value: Any) -> Any:
+    def on_tensor(key: str, t: torch.Tensor) -> dict:
+        return add(key, t, "replicated", list(t.shape), [0] * t.dim())
+
+    def on_local_tensor(key: str, t: torch.Tensor) -> dict:
+        return add(local_name(key, rank), t, "local", list(t.shape), [0] * t.dim())
+
+    def on_object(key: str, value: Any, local: bool = False) -> Any:
+        if isinstance(value, RankLocal):
+            inner = codec.encode(value.value, key, on_local_tensor,
+                                 lambda k, v: on_object(k, v, True), allow_pickle)
+            return codec.Encoded({"$local": inner})
+        if isinstance(value, Shard) or is_dtensor(value):
+            if local:
+                raise UnsafeObjectError(f"{key}: a Shard or DTensor cannot be inside RankLocal")
+            if isinstance(value, Shard):
+                t, shape, offsets = value.local_tensor, list(value.global_shape), list(value.offsets)
+            else:
+                t, shape, offsets = dtensor_box(value)
+            return codec.Encoded(add(key, t, "shard", shape, offsets))
         return value.state_dict() if is_stateful(value) else value
 
     tree = codec.encode(state, "", on_tensor, on_object, allow_pickle)
-    return FlatState(tree, tensors, aliases)
+    return FlatState(tree, pieces, aliases)
 
 
 @dataclass
 class Read:
-    """One tensor to read: into ``dest`` (in place) or into a new tensor."""
+    """Fill ``dest`` (in place; it holds ``box`` of the tensor) or a new full tensor."""
 
     name: str
     entry: TensorEntry
     dest: torch.Tensor | None
+    box: Box | None = None
     result: torch.Tensor | None = None
 
 
 Thunk = Callable[[], Any]
+
+
+def _target_box(target: Any) -> tuple[torch.Tensor, list[int], Box] | None:
+    """(local tensor, global shape, box) of a tensor-like load target."""
+    if isinstance(target, Shard):
+        t = target.local_tensor
+        return t, list(target.global_shape), (tuple(target.offsets), tuple(t.shape))
+    if is_dtensor(target):
+        t, shape, offsets = dtensor_box(target)
+        return t, shape, (tuple(offsets), tuple(t.shape))
+    if isinstance(target, torch.Tensor):
+        return target, list(target.shape), ((0,) * target.dim(), tuple(target.shape))
+    return None
 
 
 class LoadPlanner:
@@ -92,34 +135,65 @@ class LoadPlanner:
     match), ``"object"`` (the state of another stateful object such as an optimizer:
     the checkpoint's structure wins, the object's ``load_state_dict`` validates it)."""
 
-    def __init__(self, tensors: dict[str, TensorEntry], strict: bool, allow_pickle: bool) -> None:
+    def __init__(self, tensors: dict[str, TensorEntry], strict: bool, allow_pickle: bool,
+                 rank: int = 0, world_size: int = 1) -> None:
         self.tensors = tensors
         self.strict = strict
         self.allow_pickle = allow_pickle
+        self.rank = rank
+        self.world_size = world_size
         self.reads: list[Read] = []
         self.problems: list[str] = []
 
     def plan(self, target: Any, node: Any, key: str = "", mode: str = "state") -> Thunk:
+        tag = codec.tag_of(node)
+        if tag == "$local" or isinstance(target, RankLocal):
+            return self._plan_local(target, node, key, mode)
         if is_stateful(target):
             return self._plan_object(target, node, key)
-        tag = codec.tag_of(node)
-        if isinstance(target, torch.Tensor):
-            return self._plan_tensor_into(target, node, key, mode)
+        boxed = _target_box(target)
+        if boxed is not None:
+            return self._plan_tensor_into(target, boxed, node, key, mode)
         if tag == "$tensor":
             if isinstance(target, (dict, list, tuple)):
                 self.problems.append(f"{key or '<root>'}: the state has a {type(target).__name__}, the checkpoint a tensor")
                 return lambda: target
             return self._fresh_tensor(node, key)
         if tag in ("$set", "$frozenset"):
-            return lambda: codec.decode_set(node, key, self.allow_pickle)
+            value = codec.decode_set(node, key, self.allow_pickle)  # decoded now: errors before reads
+            return lambda: value
         if tag is None:
             if isinstance(target, (dict, list, tuple)):
                 self.problems.append(f"{key or '<root>'}: the state has a {type(target).__name__}, the checkpoint a plain value")
                 return lambda: target
-            return lambda: codec.decode_leaf(node, key, self.allow_pickle)
+            value = codec.decode_leaf(node, key, self.allow_pickle)
+            return lambda: value
         if isinstance(target, (dict, list, tuple)) and mode == "state":
             return self._plan_container_into(target, node, key, tag)
         return self._plan_container_fresh(target, node, key, tag)
+
+    def _plan_local(self, target: Any, node: Any, key: str, mode: str) -> Thunk:
+        inner_target = target.value if isinstance(target, RankLocal) else target
+        if codec.tag_of(node) != "$local":
+            self.problems.append(f"{key}: rank-local in the state, but saved as a shared value")
+            return lambda: target
+        per_rank = node["$local"]
+        if target is None and self.world_size == 1:  # load_state: every rank's value, by rank
+            thunks = [self.plan(None, n, key, "object") for n in per_rank]
+            return lambda: [th() for th in thunks]
+        if len(per_rank) != self.world_size:
+            self.problems.append(
+                f"{key}: rank-local value saved by {len(per_rank)} ranks cannot be restored on "
+                f"{self.world_size}; pass strict=False to keep the current value")
+            return lambda: target
+        inner = self.plan(inner_target, per_rank[self.rank], key, mode)
+        if not isinstance(target, RankLocal):
+            return inner
+
+        def build() -> Any:
+            target.value = inner()
+            return target
+        return build
 
     def _entry(self, node: dict, key: str) -> TensorEntry | None:
         entry = self.tensors.get(node["$tensor"])
@@ -135,7 +209,8 @@ class LoadPlanner:
         self.reads.append(read)
         return lambda: read.result
 
-    def _plan_tensor_into(self, target: torch.Tensor, node: Any, key: str, mode: str) -> Thunk:
+    def _plan_tensor_into(self, target: Any, boxed: tuple, node: Any, key: str, mode: str) -> Thunk:
+        local, global_shape, box = boxed
         if codec.tag_of(node) != "$tensor":
             self.problems.append(f"{key}: the state has a tensor, the checkpoint a {describe(node)}")
             return lambda: target
@@ -143,12 +218,12 @@ class LoadPlanner:
         if entry is None:
             return lambda: target
         dtype = dtype_from_name(entry.dtype, key)
-        if list(target.shape) == entry.shape and target.dtype == dtype:
-            self.reads.append(Read(node["$tensor"], entry, target))
+        if global_shape == entry.shape and local.dtype == dtype:
+            self.reads.append(Read(node["$tensor"], entry, local, box))
             return lambda: target
-        if mode == "object":  # the checkpoint's tensor replaces the object's current one
-            return self._fresh_tensor(node, key)
-        self.problems.append(f"{key}: the state has {tuple(target.shape)} {target.dtype}, "
+        if mode == "object" and isinstance(target, torch.Tensor):
+            return self._fresh_tensor(node, key)  # the checkpoint's tensor replaces the object's
+        self.problems.append(f"{key}: the state has {tuple(global_shape)} {local.dtype}, "
                              f"the checkpoint {tuple(entry.shape)} {dtype}")
         return lambda: target
 
@@ -167,7 +242,8 @@ class LoadPlanner:
         def build() -> Any:
             values = {k: th() for k, th in children.items()}
             if isinstance(target, tuple):
-                return tuple(values.get(i, v) for i, v in enumerate(target))
+                merged = [(i, values.get(i, v)) for i, v in enumerate(target)]
+                return codec.build_container("$size" if isinstance(target, torch.Size) else "$tuple", merged)
             for k, v in values.items():
                 target[k] = v
             return target
@@ -185,7 +261,13 @@ class LoadPlanner:
 
     def _plan_object(self, target: Any, node: Any, key: str) -> Thunk:
         is_module = isinstance(target, torch.nn.Module)
-        inner = self.plan(target.state_dict(), node, key, "state" if is_module else "object")
+        current = target.state_dict()
+        if isinstance(target, torch.optim.Optimizer):
+            problem = _param_groups_problem(current, node, key, self.allow_pickle)
+            if problem:
+                self.problems.append(problem)
+                return lambda: target
+        inner = self.plan(current, node, key, "state" if is_module else "object")
 
         def build() -> Any:
             value = inner()
@@ -202,8 +284,30 @@ class LoadPlanner:
         return build
 
 
+def _group_sizes(groups: Any) -> list[int]:
+    return [len(g["params"]) for g in groups]
+
+
+def _param_groups_problem(current: dict, node: Any, key: str, allow_pickle: bool) -> str | None:
+    """An optimizer's parameter groups must match before anything is read (its own
+    ``load_state_dict`` would only complain after the rest of the state was loaded)."""
+    saved = dict(codec.items_of(node, key, allow_pickle)) if codec.tag_of(node) in ("object", "$dict") else {}
+    groups = saved.get("param_groups")
+    if groups is None or codec.tag_of(groups) != "list":
+        return f"{key}: the checkpoint holds no optimizer state (no param_groups)"
+    try:
+        saved_sizes = [len(codec.decode_value(dict(codec.items_of(g, key, allow_pickle))["params"], key))
+                       for g in groups]
+    except (KeyError, TypeError):
+        return f"{key}: the checkpoint's param_groups are malformed"
+    if saved_sizes != _group_sizes(current["param_groups"]):
+        return (f"{key}: the checkpoint's optimizer has parameter groups of sizes {saved_sizes}, "
+                f"this optimizer {_group_sizes(current['param_groups'])}")
+    return None
+
+
 def describe(node: Any) -> str:
     """A short description of an encoded node for mismatch messages."""
     tag = codec.tag_of(node)
     return {"object": "dict", "$dict": "dict", "$odict": "dict", "list": "list", "$tuple": "tuple",
-            "$tensor": "tensor", None: "plain value"}.get(tag, tag or "value")
+            "$tensor": "tensor", "$local": "rank-local value", None: "plain value"}.get(tag, tag or "value")

@@ -48,14 +48,22 @@ def nbytes_of(shape: list[int] | tuple[int, ...], dtype: torch.dtype) -> int:
     return n * dtype.itemsize
 
 
+QUANTIZED_DTYPES = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+
+
+def is_storable(t: torch.Tensor) -> bool:
+    """Dense tensors with data; quantized (even a plain view as a quantized dtype), sparse,
+    nested and meta tensors are not."""
+    return not (t.is_quantized or t.dtype in QUANTIZED_DTYPES or t.layout != torch.strided
+                or t.is_nested or t.device.type == "meta")
+
+
 def to_storable(t: torch.Tensor, key: str) -> torch.Tensor:
     """A dense, contiguous CPU tensor with the same values, or a clear error."""
-    if t.is_quantized or t.layout != torch.strided or t.is_nested:
+    if not is_storable(t):
         raise UnsafeObjectError(
-            f"cannot store tensor {key!r}: quantized, sparse and nested tensors are not "
-            "supported; convert it to a dense tensor first")
-    if t.device.type == "meta":
-        raise UnsafeObjectError(f"cannot store tensor {key!r}: it is on the meta device and has no data")
+            f"cannot store tensor {key!r} ({t.layout}, {t.dtype}, on {t.device}): only dense "
+            "tensors with data are supported (not quantized, sparse, nested or meta); convert it first")
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")

@@ -15,7 +15,6 @@ import errno
 import random
 from typing import Iterable
 
-from ..errors import StorageError
 from ..storage.base import Buffer, Storage, storage_error
 from .faults import Fault, OpCounter, make_error
 
@@ -126,8 +125,8 @@ class MemoryObjectStore(Storage):
         self._op("put", key, "upload")
         if key in self.bucket.objects:  # If-None-Match: * -> 412 Precondition Failed
             raise FileExistsError(errno.EEXIST, "object exists (412 Precondition Failed)", key)
+        self._snapshot(key)
         self.bucket.objects[key] = body
-        self._invalidate(key)
         self._after("put", key, "upload")
         return len(body)
 
@@ -162,23 +161,19 @@ class MemoryObjectStore(Storage):
                 out[head] = None if sep else len(data)
         return out
 
-    def _invalidate(self, key: str) -> None:
+    def _snapshot(self, key: str) -> None:
+        """Stale listings: remember the folder's listing from before this change."""
         if self.bucket.stale_listings:
             start = key.rpartition("/")[0]
             start = start + "/" if start else ""
-            if start not in self.bucket._stale:
-                before = self._list(start)
-                before.pop(key[len(start):], None) if key in self.bucket.objects else None
-                self.bucket._stale[start] = [before, self.bucket.stale_listings]
+            self.bucket._stale.setdefault(start, [self._list(start), self.bucket.stale_listings])
 
     def delete(self, names: Iterable[str]) -> None:
         for name in names:
             key = self._key(name)
             self._op("delete", key, "delete")
-            if self.bucket.stale_listings and key in self.bucket.objects:
-                start = key.rpartition("/")[0]
-                start = start + "/" if start else ""
-                self.bucket._stale.setdefault(start, [self._list(start), self.bucket.stale_listings])
+            if key in self.bucket.objects:
+                self._snapshot(key)
             self.bucket.objects.pop(key, None)
             self._after("delete", key, "delete")
 

@@ -1,0 +1,323 @@
+"""The save protocol over a group of ranks (one process is a group of one).
+
+1. Every rank flattens its state and sends rank 0 a description (never tensor data).
+   Rank 0 checks that the ranks agree (path, step, shared values, shapes), draws the
+   save id, and assigns each distinct piece to exactly one rank, balanced by bytes.
+2. Every rank writes and fsyncs one data file named with the save id and its rank,
+   and reports sizes and checksums. Rank 0 checks it can see every file (shared
+   storage), then writes the manifest last.
+3. Rank 0 broadcasts the outcome. On any failure nobody commits: every rank deletes
+   what it wrote and raises, naming every failing rank and its error.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from .checksum import checksum
+from .datafile import WrittenPiece, plan_layout, stream
+from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError
+from .group import SingleGroup, TorchGroup
+from .manifest import Chunk, FileEntry, Manifest, TensorEntry, encode_manifest, manifest_name, manifest_seq
+from .plan import PieceInfo, PlanError, assign_writes, check_coverage
+from .state import FlatState
+from .storage import Storage
+
+VISIBILITY_WAIT_S = 5.0
+
+
+@dataclass
+class Intent:
+    """Phase 1, every rank to rank 0."""
+
+    url: str
+    step: int | None
+    pieces: list[PieceInfo]
+    aliases: dict[str, str]
+    tree: Any
+    error: str | None = None
+
+
+@dataclass
+class Assignment:
+    """Phase 1 answer, rank 0 to each rank."""
+
+    save_id: str = ""
+    seq: int = 0
+    write: list[str] = field(default_factory=list)
+    abort: str | None = None
+    errors: dict[int, str] = field(default_factory=dict)
+    exists: bool = False
+
+
+@dataclass
+class Report:
+    """Phase 2, every rank to rank 0."""
+
+    file: FileEntry | None = None
+    written: list[WrittenPiece] = field(default_factory=list)
+    error: str | None = None
+
+
+def describe_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+DATA_RE = re.compile(r"data-([0-9a-f]+)-r([0-9]{5,})\.safetensors", re.ASCII)
+
+
+def data_file_name(save_id: str, rank: int) -> str:
+    return f"data-{save_id}-r{rank:05d}.safetensors"
+
+
+class SaveRun:
+    """One save by one rank; ``run()`` returns the committed manifest."""
+
+    def __init__(self, group: SingleGroup | TorchGroup, storage: Storage, *, overwrite: bool,
+                 step: int | None, metadata: dict, metrics: dict, new_save_id: Any,
+                 existing: Any) -> None:
+        self.group = group
+        self.storage = storage
+        self.overwrite = overwrite
+        self.step = step
+        self.metadata = metadata
+        self.metrics = metrics
+        self.new_save_id = new_save_id
+        self.existing = existing  # (storage) -> (committed Manifest | None, max seq seen)
+        self.local_error: BaseException | None = None
+        self.old: Manifest | None = None
+        self.committed = False
+
+    def run(self, flatten: Any) -> Manifest:
+        flat = self._guard(flatten)
+        intent = Intent(self.storage.url, self.step, [p.info for p in flat.pieces.values()] if flat else [],
+                        flat.aliases if flat else {}, flat.tree if flat else None,
+                        describe_error(self.local_error) if self.local_error else None)
+        intents = self.group.gather(intent)
+        plans = self._plan(intents) if self.group.rank == 0 else None
+        mine: Assignment = self.group.scatter(plans)
+        if mine.abort:
+            self._raise(mine.abort, mine.errors, mine.exists)
+        report = self._write(flat, mine)
+        try:
+            reports = self.group.gather(report)
+            outcome = self._commit(intents, reports, mine) if self.group.rank == 0 else None
+            outcome = self.group.broadcast(outcome)
+        except BaseException:  # interrupted (or lost the other ranks) before the outcome
+            if report.file is not None and not self.committed:
+                self._remove(report.file.name)
+            raise
+        if isinstance(outcome, tuple):
+            if report.file is not None:
+                self._remove(report.file.name)
+            self._raise(*outcome)
+        return outcome
+
+    # -- phase 1 ---------------------------------------------------------------------
+    def _guard(self, fn: Any) -> Any:
+        try:
+            return fn()
+        except Exception as exc:  # reported to every rank, re-raised below
+            self.local_error = exc
+            return None
+
+    def _plan(self, intents: list[Intent]) -> list[Assignment]:
+        size = len(intents)
+        errors = {r: i.error for r, i in enumerate(intents) if i.error}
+        if not errors:
+            try:
+                return self._assign(intents)
+            except (PlanError, CheckpointExistsError) as exc:
+                abort = Assignment(abort=str(exc), exists=isinstance(exc, CheckpointExistsError))
+                return [abort] * size
+            except Exception as exc:  # rank 0 failed to plan: report it, never hang
+                self.local_error = exc
+                errors = {0: describe_error(exc)}
+        return [Assignment(abort=_summary(self.storage.url, errors), errors=errors)] * size
+
+    def _assign(self, intents: list[Intent]) -> list[Assignment]:
+        _check_agreement(intents)
+        self.tree = merge_trees([i.tree for i in intents])
+        per_rank = assign_writes([i.pieces for i in intents])
+        _check_shards(intents)
+        self.old, max_seq = self.existing(self.storage)
+        if self.old is not None and not self.overwrite:
+            raise CheckpointExistsError(
+                f"a committed checkpoint exists at {self.storage.url} (step {self.old.step}); pass "
+                "overwrite=True to replace it atomically, or save to another path")
+        save_id, seq = self.new_save_id(), max_seq + 1
+        return [Assignment(save_id, seq, [p.name for p in pieces]) for pieces in per_rank]
+
+    # -- phase 2 ---------------------------------------------------------------------
+    def _write(self, flat: FlatState, mine: Assignment) -> Report:
+        if not mine.write:
+            return Report()
+        name = data_file_name(mine.save_id, self.group.rank)
+        try:
+            items = [(n, flat.pieces[n].tensor) for n in mine.write]
+            layout = plan_layout(items, {"format": "pt", "safeckpt_save_id": mine.save_id})
+            written: list[WrittenPiece] = []
+            size = self.storage.write_file(name, stream(layout, written))
+            entry = FileEntry(name, size, rank=self.group.rank, header_size=len(layout.header),
+                              header_checksum=checksum(layout.header))
+            return Report(entry, written)
+        except BaseException as exc:
+            if not isinstance(exc, FileExistsError):
+                self._remove(name)
+            if not isinstance(exc, Exception):  # interrupted: clean up, do not report
+                raise
+            self.local_error = exc
+            return Report(error=describe_error(exc))
+
+    def _commit(self, intents: list[Intent], reports: list[Report], mine: Assignment) -> Manifest | tuple:
+        errors = {r: rep.error for r, rep in enumerate(reports) if rep.error}
+        try:
+            if not errors:
+                manifest = self._build_manifest(intents, reports, mine)
+                self._check_visible(reports)
+                self._write_manifest(manifest)
+                self._retire_old(manifest)
+                return manifest
+        except Exception as exc:
+            self.local_error = exc
+            errors = {0: describe_error(exc)}
+        return (_summary(self.storage.url, errors), errors, False)
+
+    def _build_manifest(self, intents: list[Intent], reports: list[Report], mine: Assignment) -> Manifest:
+        infos = {p.name: p for i in intents for p in i.pieces}
+        tensors: dict[str, TensorEntry] = {}
+        files: dict[str, FileEntry] = {}
+        for rep in reports:
+            if rep.file is None:
+                continue
+            files[rep.file.name] = rep.file
+            for w in rep.written:
+                info = infos[w.name]
+                entry = tensors.setdefault(w.name, TensorEntry(info.dtype, list(info.global_shape)))
+                entry.chunks.append(Chunk(rep.file.name, w.start, w.end, w.checksums,
+                                          list(info.offsets), list(info.shape)))
+        for intent in intents:
+            for alias, first in intent.aliases.items():
+                tensors[alias] = tensors[first]
+        return Manifest(save_id=mine.save_id, seq=mine.seq, created=time.time(),
+                        world_size=len(intents), files=files, tensors=tensors, tree=self.tree,
+                        step=self.step, metadata=self.metadata, metrics=self.metrics)
+
+    def _check_visible(self, reports: list[Report]) -> None:
+        """Rank 0 must see every rank's file, or the checkpoint could never be loaded."""
+        deadline = time.monotonic() + VISIBILITY_WAIT_S
+        while True:
+            listing = self.storage.listdir()
+            missing = [(r, rep.file) for r, rep in enumerate(reports)
+                       if rep.file is not None and listing.get(rep.file.name) != rep.file.size]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)  # network filesystems may show a new file late
+        if missing:
+            named = ", ".join(f"rank {r}: {f.name}" for r, f in missing)
+            raise SaveAbortedError(
+                f"rank 0 cannot see files other ranks wrote to {self.storage.url} ({named}): the "
+                "storage is not shared between the ranks (node-local disks?); save to a shared "
+                "filesystem or an object store")
+
+    def _write_manifest(self, manifest: Manifest) -> None:
+        name = manifest_name(manifest.seq)
+        try:
+            self.storage.write_file(name, [encode_manifest(manifest)])
+            self.committed = True
+        except FileExistsError as exc:
+            raise CheckpointExistsError(
+                f"another save committed {name} in {self.storage.url} at the same time; two "
+                "writers are using one checkpoint path") from exc
+        except BaseException:  # it may be complete on disk even though its fsync failed
+            self._remove(name)
+            raise
+
+    def _retire_old(self, manifest: Manifest) -> None:
+        if self.old is None:
+            return
+        from .checkpoint import retire  # the deletion order lives with the checkpoint
+
+        try:
+            retire(self.storage, keep=manifest)
+        except OSError as exc:  # committed; leftovers are garbage for gc, not an error
+            warnings.warn(f"saved {self.storage.url}, but removing the replaced version failed: {exc}",
+                          stacklevel=4)
+
+    # -- failure ---------------------------------------------------------------------
+    def _remove(self, name: str) -> None:
+        try:
+            self.storage.delete([name])
+        except OSError:
+            pass
+
+    def _raise(self, message: str, errors: dict[int, str], exists: bool) -> None:
+        if exists:
+            raise CheckpointExistsError(message)
+        if self.group.size == 1 and self.local_error is not None:
+            raise self.local_error
+        cause = self.local_error
+        raise SaveAbortedError(message, errors) from cause
+
+
+def _summary(url: str, errors: dict[int, str]) -> str:
+    ranks = ", ".join(str(r) for r in sorted(errors))
+    lines = "\n  ".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
+    return (f"save to {url} aborted on every rank; nothing was committed and the previous "
+            f"checkpoint is untouched. Failed on rank(s) {ranks}:\n  {lines}")
+
+
+def _check_agreement(intents: list[Intent]) -> None:
+    first = intents[0]
+    for rank, intent in enumerate(intents[1:], start=1):
+        if intent.url != first.url or intent.step != first.step:
+            raise PlanError(
+                f"the ranks disagree on what to save: rank 0 saves step {first.step} to {first.url}, "
+                f"rank {rank} step {intent.step} to {intent.url} (did a rank resume from another checkpoint?)")
+
+
+def _check_shards(intents: list[Intent]) -> None:
+    boxes: dict[str, set] = {}
+    shapes: dict[str, tuple] = {}
+    for intent in intents:
+        for p in intent.pieces:
+            if p.kind == "shard":
+                boxes.setdefault(p.name, set()).add((p.offsets, p.shape))
+                shapes[p.name] = p.global_shape
+    for name, found in boxes.items():
+        check_coverage(name, shapes[name], sorted(found))
+
+
+def merge_trees(trees: list[Any], key: str = "") -> Any:
+    """The saved tree: shared values must be equal on every rank; rank-local values
+    (``{"$local": x}``) are collected into ``{"$local": [x_rank0, x_rank1, ...]}``."""
+    first = trees[0]
+    if isinstance(first, dict) and all(isinstance(t, dict) and t.keys() == first.keys() for t in trees):
+        if first.keys() == {"$local"}:
+            return {"$local": [t["$local"] for t in trees]}
+        return {k: merge_trees([t[k] for t in trees], f"{key}.{k}" if key else k) for k in first}
+    if isinstance(first, list) and all(isinstance(t, list) and len(t) == len(first) for t in trees):
+        return [merge_trees([t[i] for t in trees], f"{key}.{i}" if key else str(i)) for i in range(len(first))]
+    differ = [r for r, t in enumerate(trees) if t != first]
+    if not differ:
+        return first
+    raise PlanError(
+        f"the value at {key or '<root>'!r} differs between rank 0 and rank(s) {differ}; values that "
+        "differ per rank must be wrapped in safeckpt.RankLocal (they are then saved per rank)")
+
+
+def read_existing(storage: Storage) -> tuple[Manifest | None, int]:
+    """The committed manifest of a folder (if any) and the highest manifest sequence seen."""
+    from .checkpoint import read_committed
+
+    listing = storage.listdir()
+    max_seq = max((s for n in listing if (s := manifest_seq(n)) is not None), default=0)
+    try:
+        return read_committed(storage, listing), max_seq
+    except (CheckpointNotFoundError, CorruptCheckpointError):
+        return None, max_seq
+

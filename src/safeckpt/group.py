@@ -1,0 +1,111 @@
+"""The ranks taking part in a save or load, behind four collectives.
+
+``SingleGroup`` stands in when torch.distributed is not initialized. ``TorchGroup``
+runs object collectives on a dedicated gloo group created with a timeout, so a rank
+that dies or hangs turns into a clear error instead of a hang, and checkpoint traffic
+never interleaves with the training's own collectives.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from typing import Any
+
+from .errors import SaveAbortedError
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("SAFECKPT_TIMEOUT", "300"))
+
+
+class CollectiveError(SaveAbortedError):
+    """Another rank stopped answering (died, hung, or lost its connection)."""
+
+
+class SingleGroup:
+    """One process: every collective is the identity."""
+
+    rank = 0
+    size = 1
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        return [obj]
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        return objs[0]
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+class TorchGroup:
+    """Object collectives over a torch.distributed process group."""
+
+    def __init__(self, pg: Any, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.pg = pg
+        self.timeout_s = timeout_s
+        self.rank = dist.get_rank(pg)
+        self.size = dist.get_world_size(pg)
+        self.root = dist.get_global_rank(pg, 0) if pg is not None else 0
+
+    def _run(self, what: str, fn: Any) -> Any:
+        try:
+            return fn()
+        except RuntimeError as exc:  # gloo: timeouts, closed connections
+            raise CollectiveError(
+                f"rank {self.rank}: lost contact with the other ranks during {what} "
+                f"(timeout {self.timeout_s:.0f}s): a rank died, hung or disagrees on the call "
+                f"sequence; nothing was committed [{exc}]") from exc
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        out = [None] * self.size if self.rank == 0 else None
+        self._run("gather", lambda: self.dist.gather_object(obj, out, dst=self.root, group=self.pg))
+        return out
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        out = [None]
+        self._run("scatter", lambda: self.dist.scatter_object_list(out, objs, src=self.root, group=self.pg))
+        return out[0]
+
+    def broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        self._run("broadcast", lambda: self.dist.broadcast_object_list(box, src=self.root, group=self.pg))
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        out = [None] * self.size
+        self._run("all_gather", lambda: self.dist.all_gather_object(out, obj, group=self.pg))
+        return out
+
+
+_dedicated: dict[Any, TorchGroup] = {}
+_lock = threading.Lock()
+
+
+def resolve(process_group: Any = None, timeout_s: float | None = None) -> SingleGroup | TorchGroup:
+    """The group for a call: the given one, else a dedicated gloo group over the default
+    world (created once, collectively, on first use), else a single process."""
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    if isinstance(process_group, (SingleGroup, TorchGroup)):
+        return process_group
+    try:
+        import torch.distributed as dist
+        initialized = dist.is_available() and dist.is_initialized()
+    except ImportError:
+        initialized = False
+    if process_group is not None:
+        return TorchGroup(process_group, timeout_s)
+    if not initialized or dist.get_world_size() == 1:
+        return SingleGroup()
+    with _lock:
+        key = (id(dist.group.WORLD), timeout_s)
+        if key not in _dedicated:
+            pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            _dedicated[key] = TorchGroup(pg, timeout_s)
+        return _dedicated[key]

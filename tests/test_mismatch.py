@@ -1,0 +1,349 @@
+"""Loading into a state that does not match the checkpoint.
+
+``StateMismatchError`` (a ``CheckpointError`` and a ``KeyError``) lists every offending
+key at once: missing, unexpected, wrong shape, wrong dtype, container where the
+checkpoint has a tensor and the reverse. When it is raised nothing in the state has
+changed. With ``strict=False`` what matches is loaded, the rest is left as it was and
+a warning lists the rest.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import safeckpt
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    return tmp_path / "ckpt"
+
+
+def snapshot(state: Any) -> Any:
+    """A deep copy to compare against: tensors cloned, modules and optimizers by state."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, (nn.Module, torch.optim.Optimizer)):
+        return snapshot(copy.deepcopy(state.state_dict()))
+    if isinstance(state, dict):
+        return {k: snapshot(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(snapshot(v) for v in state)
+    return copy.deepcopy(state)
+
+
+def assert_unchanged(state: Any, before: Any, where: str = "<root>") -> None:
+    if isinstance(state, (nn.Module, torch.optim.Optimizer)):
+        state = state.state_dict()
+    if isinstance(before, torch.Tensor):
+        assert isinstance(state, torch.Tensor), where
+        assert state.dtype == before.dtype and state.shape == before.shape, where
+        assert torch.equal(state, before), f"{where}: modified by a load that failed"
+    elif isinstance(before, dict):
+        assert list(state) == list(before), f"{where}: keys changed to {list(state)}"
+        for k in before:
+            assert_unchanged(state[k], before[k], f"{where}.{k}")
+    elif isinstance(before, (list, tuple)):
+        assert type(state) is type(before) and len(state) == len(before), f"{where}: {state!r}"
+        for i, (s, b) in enumerate(zip(state, before)):
+            assert_unchanged(s, b, f"{where}[{i}]")
+    else:
+        assert state == before, f"{where}: {state!r} != {before!r}"
+
+
+def problem_keys(message: str) -> set[str]:
+    """The keys a mismatch message lists, one problem per indented line ``  key: ...``."""
+    return {m.group(1) for m in re.finditer(r"^\s+([^\s:]+): ", message, re.MULTILINE)}
+
+
+SAVED = {
+    "same": torch.arange(3.0),
+    "shape": torch.ones(2, 2),
+    "dtype": torch.ones(4),
+    "tensor_vs_dict": {"x": torch.ones(1)},
+    "dict_vs_tensor": torch.ones(2),
+    "list_vs_tensor": torch.ones(2),
+    "value_vs_tensor": 7,
+    "plain_replaced_by_tensor": torch.ones(1),
+    "gone": torch.ones(1),
+    "count": 5,
+    "lst": [torch.ones(1), torch.ones(1)],
+    "nested": {"deep": {"w": torch.ones(3)}},
+}
+
+
+def mismatching_target() -> dict:
+    return {
+        "same": torch.zeros(3),
+        "shape": torch.zeros(2, 3),
+        "dtype": torch.zeros(4, dtype=torch.float64),
+        "tensor_vs_dict": torch.zeros(1),
+        "dict_vs_tensor": {"y": torch.zeros(2)},
+        "list_vs_tensor": [torch.zeros(2)],
+        "value_vs_tensor": torch.zeros(1),
+        "plain_replaced_by_tensor": 0,  # plain values are replaced, not matched
+        "new": torch.zeros(1),
+        "count": 0,
+        "lst": [torch.zeros(1)],
+        "nested": {"deep": {"w": torch.zeros(3), "b": torch.zeros(1)}},
+    }
+
+
+OFFENDERS = {"shape", "dtype", "tensor_vs_dict", "dict_vs_tensor", "list_vs_tensor", "value_vs_tensor", "new", "gone", "lst.1", "nested.deep.b"}
+
+
+def test_error_is_a_key_error_and_lists_every_offending_key(ckpt):
+    safeckpt.save(SAVED, ckpt)
+    target = mismatching_target()
+    before = snapshot(target)
+    with pytest.raises(safeckpt.StateMismatchError) as err:
+        safeckpt.load(target, ckpt)
+    exc = err.value
+    assert isinstance(exc, KeyError) and isinstance(exc, safeckpt.CheckpointError)
+    message = str(exc)
+    assert not message.startswith(("'", '"')), "KeyError's repr quoting leaked into the message"
+    assert str(ckpt) in message
+    assert problem_keys(message) == OFFENDERS
+    assert "strict=False" in message  # says what to do
+    assert_unchanged(target, before)
+
+
+@pytest.mark.parametrize("case, target, key, words", [
+    ("missing", {"a": torch.zeros(2), "b": torch.zeros(2), "extra": torch.zeros(1)}, "extra", "missing"),
+    ("unexpected", {"a": torch.zeros(2)}, "b", "not in the state"),
+    ("shape", {"a": torch.zeros(3), "b": torch.zeros(2)}, "a", "(3,)"),
+    ("dtype", {"a": torch.zeros(2, dtype=torch.int32), "b": torch.zeros(2)}, "a", "torch.int32"),
+    ("bfloat16_vs_float16", {"a": torch.zeros(2, dtype=torch.bfloat16), "b": torch.zeros(2)}, "a", "bfloat16"),
+    ("container_vs_tensor", {"a": {"a0": torch.zeros(2)}, "b": torch.zeros(2)}, "a", "dict"),
+    ("list_vs_tensor", {"a": [torch.zeros(2)], "b": torch.zeros(2)}, "a", "list"),
+    ("tuple_vs_tensor", {"a": (torch.zeros(2),), "b": torch.zeros(2)}, "a", "tuple"),
+    ("tensor_vs_container", {"a": torch.zeros(2), "b": torch.zeros(2), "c": torch.zeros(1)}, "c", "tensor"),
+    ("tensor_vs_value", {"a": torch.zeros(2), "b": torch.zeros(2), "d": torch.zeros(1)}, "d", "tensor"),
+])
+def test_each_kind_of_mismatch(case, target, key, words, ckpt):
+    saved = {"a": torch.ones(2), "b": torch.ones(2)}
+    if case == "tensor_vs_container":
+        saved["c"] = {"inner": torch.ones(1)}
+    if case == "tensor_vs_value":
+        saved["d"] = 3.5
+    safeckpt.save(saved, ckpt)
+    before = snapshot(target)
+    with pytest.raises(safeckpt.StateMismatchError) as err:
+        safeckpt.load(target, ckpt)
+    message = str(err.value)
+    assert key in problem_keys(message), message
+    line = next(line for line in message.splitlines() if line.strip().startswith(f"{key}:"))
+    assert words in line, line
+    assert_unchanged(target, before)
+
+
+def test_strict_false_loads_what_matches_and_warns_about_the_rest(ckpt):
+    safeckpt.save(SAVED, ckpt)
+    target = mismatching_target()
+    before = snapshot(target)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        safeckpt.load(target, ckpt, strict=False)
+    messages = [str(w.message) for w in caught if str(ckpt) in str(w.message)]
+    assert len(messages) == 1, [str(w.message) for w in caught]
+    assert problem_keys(messages[0]) == OFFENDERS
+
+    # What matches is loaded ...
+    assert torch.equal(target["same"], SAVED["same"])
+    assert target["count"] == 5
+    assert torch.equal(target["lst"][0], torch.ones(1)) and len(target["lst"]) == 1
+    assert torch.equal(target["nested"]["deep"]["w"], torch.ones(3))
+    assert torch.equal(target["plain_replaced_by_tensor"], torch.ones(1))
+    # ... the rest is left exactly as it was.
+    for k in ("shape", "dtype", "tensor_vs_dict", "dict_vs_tensor", "list_vs_tensor", "value_vs_tensor", "new"):
+        assert_unchanged(target[k], before[k], k)
+    assert_unchanged(target["nested"]["deep"]["b"], before["nested"]["deep"]["b"], "nested.deep.b")
+    assert "gone" not in target
+
+
+def test_strict_false_without_problems_does_not_warn(ckpt):
+    safeckpt.save({"a": torch.ones(2)}, ckpt)
+    target = {"a": torch.zeros(2)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        safeckpt.load(target, ckpt, strict=False)
+    assert torch.equal(target["a"], torch.ones(2))
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class Block(nn.Module):
+    def __init__(self, extra: bool = False, width: int = 3) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, 2)
+        self.norm = nn.LayerNorm(2)
+        if extra:
+            self.extra = nn.Parameter(torch.full((4,), 9.0))
+
+
+class Model(nn.Module):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__()
+        self.block = Block(**kw)
+        self.head = nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block.norm(self.block.lin(x)))
+
+
+def _saved_model(ckpt: Path, **kw: Any) -> Model:
+    torch.manual_seed(0)
+    model = Model(**kw)
+    safeckpt.save({"model": model, "epoch": 4}, ckpt)
+    return model
+
+
+def test_module_with_extra_parameter(ckpt):
+    _saved_model(ckpt)
+    torch.manual_seed(1)
+    target = Model(extra=True)
+    before = snapshot(target)
+    state = {"model": target, "epoch": 0}
+    with pytest.raises(safeckpt.StateMismatchError) as err:
+        safeckpt.load(state, ckpt)
+    assert problem_keys(str(err.value)) == {"model.block.extra"}
+    assert_unchanged(target, before)
+    assert state["epoch"] == 0
+
+
+def test_module_missing_a_parameter(ckpt):
+    _saved_model(ckpt, extra=True)
+    torch.manual_seed(1)
+    target = Model()
+    before = snapshot(target)
+    with pytest.raises(safeckpt.StateMismatchError) as err:
+        safeckpt.load({"model": target}, ckpt)
+    assert problem_keys(str(err.value)) == {"model.block.extra", "epoch"}
+    assert_unchanged(target, before)
+
+
+def test_module_with_wrong_shapes(ckpt):
+    _saved_model(ckpt)
+    target = Model(width=5)
+    before = snapshot(target)
+    with pytest.raises(safeckpt.StateMismatchError) as err:
+        safeckpt.load({"model": target, "epoch": 0}, ckpt)
+    assert problem_keys(str(err.value)) == {"model.block.lin.weight"}
+    assert "(2, 5)" in str(err.value) and "(2, 3)" in str(err.value)
+    assert_unchanged(target, before)
+
+
+def test_module_with_wrong_dtype(ckpt):
+    _saved_model(ckpt)
+    target = Model().double()
+    before = snapshot(target)
+    with pytest.raises(safeckpt.StateMismatchError) as err:
+        safeckpt.load({"model": target, "epoch": 0}, ckpt)
+    assert problem_keys(str(err.value)) == {
+        "model.block.lin.weight", "model.block.lin.bias", "model.block.norm.weight",
+        "model.block.norm.bias", "model.head.weight", "model.head.bias"}
+    assert_unchanged(target, before)
+
+
+def test_module_strict_false_loads_the_rest(ckpt):
+    saved = _saved_model(ckpt)
+    torch.manual_seed(1)
+    target = Model(extra=True)
+    with pytest.warns(UserWarning) as caught:
+        safeckpt.load({"model": target, "epoch": 0}, ckpt, strict=False)
+    assert any("model.block.extra" in str(w.message) for w in caught)
+    for k, v in saved.state_dict().items():
+        assert torch.equal(target.state_dict()[k], v), k
+    assert torch.equal(target.block.extra, torch.full((4,), 9.0))
+
+
+# --------------------------------------------------------------------------- optimizers
+
+
+def _trained(ckpt: Path) -> tuple[Model, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 3)).pow(2).mean().backward()
+        opt.step()
+    safeckpt.save({"model": model, "optim": opt}, ckpt)
+    return model, opt
+
+
+def _two_groups(model: Model) -> torch.optim.Optimizer:
+    return torch.optim.Adam([{"params": model.block.parameters()},
+                             {"params": model.head.parameters(), "lr": 0.5}], lr=1e-3)
+
+
+def test_optimizer_with_a_different_number_of_param_groups(ckpt):
+    _trained(ckpt)
+    model = Model()
+    opt = _two_groups(model)
+    before = snapshot(opt)
+    with pytest.raises(safeckpt.StateMismatchError) as err:
+        safeckpt.load({"optim": opt}, ckpt)
+    assert isinstance(err.value, KeyError)
+    assert "optim" in str(err.value)
+    assert_unchanged(opt, before)
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 0.5]
+
+
+def test_optimizer_with_a_different_number_of_params_in_a_group(ckpt):
+    _trained(ckpt)
+    model = Model()
+    opt = torch.optim.Adam(model.block.parameters(), lr=1e-3)
+    before = snapshot(opt)
+    with pytest.raises(safeckpt.StateMismatchError) as err:
+        safeckpt.load({"optim": opt}, ckpt)
+    assert "optim" in str(err.value)
+    assert_unchanged(opt, before)
+
+
+def test_optimizer_mismatch_leaves_the_rest_of_the_state_untouched(ckpt):
+    """The optimizer's mismatch must be found before anything is read: the model that
+    sits next to it in the state must not have been loaded when the error is raised."""
+    _trained(ckpt)
+    torch.manual_seed(7)
+    model = Model()
+    opt = _two_groups(model)
+    state = {"model": model, "optim": opt}
+    before = snapshot(state)
+    with pytest.raises(safeckpt.StateMismatchError):
+        safeckpt.load(state, ckpt)
+    assert_unchanged(state, before)
+
+
+def test_optimizer_mismatch_is_listed_with_the_other_problems(ckpt):
+    _trained(ckpt)
+    model = Model(extra=True)
+    opt = _two_groups(model)
+    with pytest.raises(safeckpt.StateMismatchError) as err:
+        safeckpt.load({"model": model, "optim": opt}, ckpt)
+    message = str(err.value)
+    assert "model.block.extra" in message
+    assert re.search(r"^\s+optim\b", message, re.MULTILINE), message
+
+
+def test_optimizer_mismatch_with_strict_false_loads_the_model_and_warns(ckpt):
+    saved_model, _ = _trained(ckpt)
+    torch.manual_seed(7)
+    model = Model()
+    opt = _two_groups(model)
+    before = snapshot(opt)
+    with pytest.warns(UserWarning) as caught:
+        safeckpt.load({"model": model, "optim": opt}, ckpt, strict=False)
+    assert any("optim" in str(w.message) for w in caught)
+    for k, v in saved_model.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert_unchanged(opt, before)

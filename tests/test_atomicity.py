@@ -262,11 +262,12 @@ def test_manager_never_touches_foreign_files(tmp_path):
         assert mgr.restore(state) == 30
     assert state_mismatch(state, 30) is None
     after = _snapshot(root)
-    foreign_after = {k: v for k, v in after.items() if not k.startswith("step-000000030/")}
+    ours = ("step-000000030/", "safeckpt-writer-")  # the checkpoint kept, and the writer lease
+    foreign_after = {k: v for k, v in after.items() if not k.startswith(ours)}
     assert foreign_after == before
     assert {p.name for p in root.iterdir()} == {
         "checkpoint-100", "notes.txt", "step-abc", "step-12", "step-000000001",
-        "step-000000002.tar", "step-000000030"}
+        "step-000000002.tar", "step-000000030", "safeckpt-writer-000000001.json"}
 
 
 def test_incomplete_newer_step_is_skipped_with_a_warning(tmp_path):

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import safeckpt
+from safeckpt.lease import LEASE_RE
 from safeckpt.checkpoint import read_committed
 from safeckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from safeckpt.manager import step_folder
@@ -105,7 +106,8 @@ def garbage(root: Storage) -> list[str]:
             except (CheckpointNotFoundError, CorruptCheckpointError):
                 continue
             used |= {f"{name}/{f}" for f in m.files} | {f"{name}/manifest-{m.seq:06d}.json"}
-    return [f for f in walk(root) if f not in used]
+    # writer leases are the root's live ownership record, not leftovers of a save
+    return [f for f in walk(root) if f not in used and not LEASE_RE.fullmatch(f)]
 
 
 # -- scenarios: setup, the crashed operation, and the checks after recovery --------------
@@ -134,7 +136,11 @@ def setup_manager(root: Storage) -> None:
 
 
 def run_manager(root: Storage) -> None:
-    safeckpt.CheckpointManager(root, keep_last=2).save(3, STATES["s3"])
+    """A resumed job: restore (which continues the run), then save and retire."""
+    mgr = safeckpt.CheckpointManager(root, keep_last=2)
+    mgr.restore({k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
+                 for k, v in make_state(99).items()})
+    mgr.save(3, STATES["s3"])
 
 
 def check_first(point, root: Storage) -> tuple[str, list[str]]:
@@ -197,15 +203,15 @@ def check_manager(point, root: Storage) -> tuple[str, list[str]]:
             problems.append(f"mgr.steps() is {mgr.steps()}, the committed steps are {committed}")
         target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
                   for k, v in make_state(99).items()}
-        # what restore() must pick: the newest committed step (CheckpointManager.restore
-        # itself is checked over a Storage in test_manager_restore_reads_its_storage)
+        # a resumed job restores the newest committed step, which continues that run
+        # (so its retention may delete the run's older checkpoints)
         newest = mgr.latest_step()
         if newest != (committed[-1] if committed else None):
             problems.append(f"mgr.latest_step() is {newest}, the newest committed is {committed}")
-        if newest is not None:
-            safeckpt.load(target, root.child(step_folder(newest)))
-            if not same(target, STATES[expect[newest]]):
-                problems.append(f"restoring the newest step {newest} does not load exactly")
+        if mgr.restore(target) != newest:
+            problems.append(f"mgr.restore() did not pick the newest committed step {newest}")
+        elif newest is not None and not same(target, STATES[expect[newest]]):
+            problems.append(f"restoring the newest step {newest} does not load exactly")
         mgr.save(4, STATES["s4"])
         if mgr.steps() != sorted(set(committed) | {4})[-2:]:
             problems.append(f"after recovery and save(4), steps are {mgr.steps()}")

@@ -106,8 +106,9 @@ def _kill_loop(fork_server, tmp_path, kills: int, seed: int) -> None:
         restored = _restore_and_check(root, last_done, in_flight)
         if restored is not None:
             last_done = restored
-    # the run goes on: a fresh manager saves the next step and restores it
+    # the run goes on: a resumed manager saves the next step and restores it
     mgr = safeckpt.CheckpointManager(root, keep_last=2)
+    mgr.restore(make_template())
     nxt = 0 if last_done is None else last_done + 1
     mgr.save(nxt, make_state(nxt))
     state = make_template()

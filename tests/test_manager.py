@@ -12,6 +12,10 @@ def _state(step: int) -> dict:
     return {"w": torch.full((4,), float(step)), "step": step}
 
 
+def _step_folders(root) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith("step-"))
+
+
 def test_empty_root_restores_nothing(tmp_path):
     mgr = safeckpt.CheckpointManager(tmp_path / "run")
     state = _state(0)
@@ -24,7 +28,7 @@ def test_steps_are_zero_padded_and_sorted_numerically(tmp_path):
     mgr = safeckpt.CheckpointManager(tmp_path)
     for step in (10000, 9, 9000):
         mgr.save(step, _state(step))
-    assert sorted(os.listdir(tmp_path)) == ["step-000000009", "step-000009000", "step-000010000"]
+    assert _step_folders(tmp_path) == ["step-000000009", "step-000009000", "step-000010000"]
     assert mgr.steps() == [9, 9000, 10000]
     assert mgr.latest_step() == 10000
 
@@ -47,7 +51,7 @@ def test_keep_last_keeps_newest(tmp_path):
     for step in range(1, 6):
         mgr.save(step, _state(step))
     assert mgr.steps() == [4, 5]
-    assert sorted(os.listdir(tmp_path)) == ["step-000000004", "step-000000005"]
+    assert _step_folders(tmp_path) == ["step-000000004", "step-000000005"]
 
 
 def test_saving_an_existing_step_refuses(tmp_path):

@@ -22,9 +22,9 @@ from . import errors as errors_module
 from .commit import DATA_RE, SaveRun, read_existing
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError, UnsupportedFormatError
 from .group import resolve
-from .manifest import Manifest, decode_manifest, manifest_name, manifest_seq
+from .manifest import Manifest, decode_manifest, encode_values, manifest_name, manifest_seq
 from .reader import TensorReader
-from .state import LoadPlanner, flatten
+from .state import FlatState, LoadPlanner, flatten
 from .storage import Storage
 from .storage import open as open_storage
 
@@ -160,6 +160,52 @@ def plain_values(values: dict | None, what: str) -> dict:
     return out
 
 
+@dataclass
+class SaveRequest:
+    """Everything about one save except the state: where, by which ranks, and how."""
+
+    storage: Storage
+    group: Any
+    overwrite: bool = False
+    step: int | None = None
+    metadata: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    allow_pickle: bool = False
+    before_commit: Callable[[], None] | None = None  # rank 0, just before the manifest
+    run_id: str | None = None
+
+    def flattener(self, state: dict) -> Callable[[], FlatState]:
+        """How this rank turns ``state`` into pieces; a bad state is refused before
+        anything is written (in a group, the refusal is reported to every rank)."""
+        if self.group.size == 1:
+            flat = flatten(state, self.allow_pickle)
+            return lambda: flat
+        return lambda: flatten(state, self.allow_pickle, self.group.rank)
+
+    def run(self, flattener: Callable[[], FlatState], started: float) -> CheckpointInfo:
+        """Run the commit protocol; returns once the checkpoint is committed."""
+        manifest = SaveRun(self.group, self.storage, overwrite=self.overwrite, step=self.step,
+                           metadata=self.metadata, metrics=self.metrics, new_save_id=new_save_id,
+                           existing=read_existing, before_commit=self.before_commit,
+                           run_id=self.run_id).run(flattener)
+        return CheckpointInfo(path=self.storage.url, save_id=manifest.save_id, seq=manifest.seq,
+                              step=self.step, bytes=manifest.total_bytes, files=list(manifest.files),
+                              seconds=time.perf_counter() - started, world_size=manifest.world_size,
+                              metadata=manifest.metadata)
+
+
+def save_request(path: PathLike, *, overwrite: bool = False, metadata: dict | None = None,
+                 process_group: Any = None, storage_options: dict | None = None,
+                 allow_pickle: bool = False, step: int | None = None, metrics: dict | None = None,
+                 before_commit: Callable[[], None] | None = None) -> SaveRequest:
+    """Validate the arguments of a save (metadata and metrics are refused here, before
+    anything is written) and resolve its storage and group."""
+    metadata, metrics = plain_values(metadata, "metadata"), plain_values(metrics, "metrics")
+    encode_values(metadata, "metadata"), encode_values(metrics, "metrics")
+    return SaveRequest(open_storage(path, **(storage_options or {})), resolve(process_group),
+                       overwrite, step, metadata, metrics, allow_pickle, before_commit)
+
+
 @gc_paused
 def save(state: dict, path: PathLike, *, overwrite: bool = False, metadata: dict | None = None,
          process_group: Any = None, storage_options: dict | None = None,
@@ -173,22 +219,10 @@ def save(state: dict, path: PathLike, *, overwrite: bool = False, metadata: dict
     new manifest is written. On any error nothing is committed, the files this save
     wrote are removed, and every rank raises."""
     started = time.perf_counter()
-    metadata, metrics = plain_values(metadata, "metadata"), plain_values(metrics, "metrics")
-    from .manifest import encode_values
-    encode_values(metadata, "metadata"), encode_values(metrics, "metrics")  # refuse early
-    group = resolve(process_group)
-    storage = open_storage(path, **(storage_options or {}))
-    run = SaveRun(group, storage, overwrite=overwrite, step=step, metadata=metadata, metrics=metrics,
-                  new_save_id=new_save_id, existing=read_existing)
-    if group.size == 1:
-        flat = flatten(state, allow_pickle)  # refuse a bad state before touching storage
-        manifest = run.run(lambda: flat)
-    else:
-        manifest = run.run(lambda: flatten(state, allow_pickle, group.rank))
-    return CheckpointInfo(path=storage.url, save_id=manifest.save_id, seq=manifest.seq, step=step,
-                          bytes=manifest.total_bytes, files=list(manifest.files),
-                          seconds=time.perf_counter() - started, world_size=manifest.world_size,
-                          metadata=manifest.metadata)
+    request = save_request(path, overwrite=overwrite, metadata=metadata, process_group=process_group,
+                           storage_options=storage_options, allow_pickle=allow_pickle, step=step,
+                           metrics=metrics)
+    return request.run(request.flattener(state), started)
 
 
 def retire(storage: Storage, keep: Manifest | None) -> None:

@@ -79,7 +79,7 @@ class SaveRun:
 
     def __init__(self, group: SingleGroup | TorchGroup, storage: Storage, *, overwrite: bool,
                  step: int | None, metadata: dict, metrics: dict, new_save_id: Any,
-                 existing: Any) -> None:
+                 existing: Any, before_commit: Any = None, run_id: str | None = None) -> None:
         self.group = group
         self.storage = storage
         self.overwrite = overwrite
@@ -88,6 +88,8 @@ class SaveRun:
         self.metrics = metrics
         self.new_save_id = new_save_id
         self.existing = existing  # (storage) -> (committed Manifest | None, max seq seen)
+        self.before_commit = before_commit  # rank 0, e.g. a writer lease check
+        self.run_id = run_id
         self.local_error: BaseException | None = None
         self.old: Manifest | None = None
         self.committed = False
@@ -179,6 +181,8 @@ class SaveRun:
             if not errors:
                 manifest = self._build_manifest(intents, reports, mine)
                 self._check_visible(reports)
+                if self.before_commit is not None:
+                    self.before_commit()
                 self._write_manifest(manifest)
                 self._retire_old(manifest)
                 return manifest
@@ -205,7 +209,7 @@ class SaveRun:
                 tensors[alias] = tensors[first]
         return Manifest(save_id=mine.save_id, seq=mine.seq, created=time.time(),
                         world_size=len(intents), files=files, tensors=tensors, tree=self.tree,
-                        step=self.step, metadata=self.metadata, metrics=self.metrics)
+                        step=self.step, metadata=self.metadata, metrics=self.metrics, run_id=self.run_id)
 
     def _check_visible(self, reports: list[Report]) -> None:
         """Rank 0 must see every rank's file, or the checkpoint could never be loaded."""

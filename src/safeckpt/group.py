@@ -88,9 +88,12 @@ _dedicated: dict[Any, TorchGroup] = {}
 _lock = threading.Lock()
 
 
-def resolve(process_group: Any = None, timeout_s: float | None = None) -> SingleGroup | TorchGroup:
+def resolve(process_group: Any = None, timeout_s: float | None = None,
+            purpose: str = "foreground") -> SingleGroup | TorchGroup:
     """The group for a call: the given one, else a dedicated gloo group over the default
-    world (created once, collectively, on first use), else a single process."""
+    world (one per ``purpose``, created collectively on first use), else a single process.
+    Background commits use their own purpose so they never interleave with calls made
+    from the training thread."""
     timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     if isinstance(process_group, (SingleGroup, TorchGroup)):
         return process_group
@@ -104,7 +107,7 @@ def resolve(process_group: Any = None, timeout_s: float | None = None) -> Single
     if not initialized or dist.get_world_size() == 1:
         return SingleGroup()
     with _lock:
-        key = (id(dist.group.WORLD), timeout_s)
+        key = (id(dist.group.WORLD), timeout_s, purpose)
         if key not in _dedicated:
             pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
             _dedicated[key] = TorchGroup(pg, timeout_s)

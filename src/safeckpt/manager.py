@@ -1,4 +1,5 @@
-"""Runs of checkpoints: one folder per step, retention after commit, restore with fallback.
+"""Runs of checkpoints: one folder per step, retention after commit, restore with
+fallback, garbage collection, one writer per root, async saves and preemption.
 
 In a distributed job every rank makes the same calls; rank 0 looks at the storage and
 tells the others what it saw, so the ranks never branch on listings that disagree.
@@ -7,18 +8,25 @@ tells the others what it saw, so the ranks never branch on listings that disagre
 from __future__ import annotations
 
 import logging
-import re
+import signal
+import threading
+import uuid
 import warnings
 from typing import Any
 
-from .checkpoint import CheckpointInfo, load, read_committed, retire, save
+from . import garbage
+from .asyncsave import AsyncSaver, SaveFuture, background_group
+from .checkpoint import CheckpointInfo, load, read_committed, retire, save_request
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from .group import SingleGroup, TorchGroup, resolve
+from .lease import WriterLease
+from .manifest import Manifest
+from .retention import Retention
 from .storage import Storage
 from .storage import open as open_storage
 
 log = logging.getLogger("safeckpt")
-STEP_RE = re.compile(r"step-([0-9]{9,})", re.ASCII)
+STEP_RE = garbage.STEP_RE
 
 
 def step_folder(step: int) -> str:
@@ -29,22 +37,37 @@ def step_folder(step: int) -> str:
 class CheckpointManager:
     """Saves numbered checkpoints under ``root`` and restores the newest valid one.
 
-    A checkpoint is deleted by retention only after a newer one is committed, and the
-    newest committed checkpoint is never deleted. Only ``step-NNNNNNNNN`` folders that
-    hold safeckpt manifests are ever touched; other files in ``root`` are left alone."""
+    Retention keeps the union of ``keep_last``, ``keep_best`` (by ``best_metric``,
+    ``best_mode``) and ``keep_every``; it runs only after a newer checkpoint is
+    committed, never deletes the newest, and only deletes checkpoints of this run (a
+    new run started in an old root leaves the old run's checkpoints alone; a run that
+    restored from one continues it). Only ``step-NNNNNNNNN`` folders and safeckpt's own
+    files in them are ever touched. One manager writes a root at a time (see
+    ``lease``). With ``async_save=True``, ``save`` returns a ``SaveFuture`` once the
+    state is snapshotted. With ``handle_sigterm=True``, SIGTERM sets ``preempted``."""
 
     def __init__(self, root: "str | Storage", *, keep_last: int | None = None,
+                 keep_best: int | None = None, best_metric: str | None = None,
+                 best_mode: str = "min", keep_every: int | None = None, async_save: bool = False,
                  process_group: Any = None, storage_options: dict | None = None,
-                 allow_pickle: bool = False) -> None:
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be at least 1 (got {keep_last}); use None to keep all")
+                 allow_pickle: bool = False, handle_sigterm: bool = False) -> None:
+        self.retention = Retention(keep_last, keep_best, best_metric, best_mode, keep_every)
         self.storage = open_storage(root, **(storage_options or {}))
-        self.keep_last = keep_last
         self.process_group = process_group
         self.allow_pickle = allow_pickle
+        self.run_id = uuid.uuid4().hex[:16]
         self._group: SingleGroup | TorchGroup | None = None
+        self._lease: WriterLease | None = None
+        self._saver = AsyncSaver() if async_save else None
+        self._in_flight: set[str] = set()
+        self._warned_foreign = False
         self._closed = False
+        self._preempted = threading.Event()
+        self._old_handler: Any = None
+        if handle_sigterm:
+            self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
 
+    # -- ranks ---------------------------------------------------------------------------
     @property
     def group(self) -> SingleGroup | TorchGroup:
         if self._group is None:
@@ -70,29 +93,32 @@ class CheckpointManager:
                  if size is None and (m := STEP_RE.fullmatch(name))]
         return sorted(found)
 
-    def _not_committed(self, step: int) -> str | None:
-        """None when ``step`` has a committed checkpoint, else why not."""
-        return self._status(step)[1]
-
-    def _status(self, step: int) -> tuple[str, str | None]:
-        """("ok", None), ("incomplete", why) when no manifest exists (a save that never
-        committed), or ("damaged", why) when a manifest exists but is not valid."""
+    def _read(self, step: int) -> tuple[str, Manifest | str]:
+        """("ok", manifest), ("incomplete", why) when no manifest exists (a save that
+        never committed), or ("damaged", why) when a manifest exists but is not valid."""
         try:
-            read_committed(self.storage.child(step_folder(step)))
-            return "ok", None
+            return "ok", read_committed(self.storage.child(step_folder(step)))
         except CheckpointNotFoundError as exc:
             return "incomplete", str(exc)
         except CorruptCheckpointError as exc:
             return "damaged", str(exc)
 
+    def _committed(self) -> dict[int, Manifest]:
+        out = {}
+        for step in self._step_folders():
+            status, m = self._read(step)
+            if status == "ok":
+                out[step] = m
+        return out
+
     def steps(self) -> list[int]:
         """Steps with a committed checkpoint (valid manifest), ascending."""
-        return self._on_rank0(lambda: [s for s in self._step_folders() if self._not_committed(s) is None])
+        return self._on_rank0(lambda: sorted(self._committed()))
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
         def newest() -> int | None:
-            return next((s for s in reversed(self._step_folders()) if self._not_committed(s) is None), None)
+            return next((s for s in reversed(self._step_folders()) if self._read(s)[0] == "ok"), None)
         return self._on_rank0(newest)
 
     def path(self, step: int) -> str:
@@ -101,36 +127,67 @@ class CheckpointManager:
 
     # -- saving ----------------------------------------------------------------------
     def save(self, step: int, state: dict, *, metrics: dict | None = None,
-             metadata: dict | None = None) -> CheckpointInfo:
-        """Save ``state`` as the checkpoint of ``step``, then apply retention."""
+             metadata: dict | None = None) -> CheckpointInfo | SaveFuture:
+        """Save ``state`` as the checkpoint of ``step``, then apply retention and
+        garbage collection. Returns a ``SaveFuture`` when the manager is async."""
         self._check_open()
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
+        if self._saver is not None:
+            self._saver.wait()  # one save in flight; an unseen error surfaces here
         folder = self.storage.child(step_folder(step))
+        group = background_group(self.process_group) if self._saver else self.group
+        request = save_request(folder, metadata=metadata, metrics=metrics, step=step,
+                               process_group=group, allow_pickle=self.allow_pickle,
+                               before_commit=self._check_lease)
+        request.run_id = self.run_id
+        if self._saver is not None:
+            return self._saver.submit(state, request, on_done=lambda info: self._after_save(info, folder))
         try:
-            info = save(state, folder, metadata=metadata, metrics=metrics, step=step,
-                        process_group=self.group, allow_pickle=self.allow_pickle)
+            info = request.run(request.flattener(state), _now())
         except BaseException:
             if self.group.rank == 0:
                 _quietly(folder.remove_folder)  # only if the failed save left it empty
             raise
-        log.info("saved step %d: %d bytes in %.3fs (%.2f GB/s) to %s",
-                 step, info.bytes, info.seconds, info.gbps, info.path)
-        if self.group.rank == 0:
-            self._retain(just_saved=step)
+        self._after_save(info, folder)
         return info
 
-    def _retain(self, just_saved: int) -> None:
-        if self.keep_last is None:
+    def _after_save(self, info: CheckpointInfo, folder: Storage) -> None:
+        log.info("saved step %s: %d bytes in %.3fs (%.2f GB/s) to %s",
+                 info.step, info.bytes, info.seconds, info.gbps, info.path)
+        if self.group.rank != 0 and not isinstance(self.group, SingleGroup):
             return
-        committed = [s for s in self._step_folders() if self._not_committed(s) is None]
-        for step in committed[:-self.keep_last]:
-            if step == just_saved:
-                continue  # an out-of-order save is kept until a later save retires it
-            try:
-                self.delete(step)
-            except OSError as exc:  # the save is committed; a failed cleanup is not its error
-                warnings.warn(f"retention could not delete step {step}: {exc}", stacklevel=3)
+        try:
+            self._retain(just_saved=info.step)
+            self.gc()
+        except OSError as exc:  # the save is committed; a failed cleanup is not its error
+            warnings.warn(f"saved step {info.step}, but cleaning up older checkpoints failed: {exc}",
+                          stacklevel=3)
+
+    def _check_lease(self) -> None:
+        if self._lease is None:
+            self._lease = WriterLease(self.storage, self.run_id)
+            self._lease.acquire()
+        else:
+            self._lease.check()
+
+    def _retain(self, just_saved: int | None) -> None:
+        if self.retention.keeps_all:
+            return
+        committed = self._committed()
+        mine = {s: m.metrics for s, m in committed.items() if m.run_id == self.run_id}
+        others = sorted(s for s, m in committed.items() if m.run_id != self.run_id)
+        if others and not self._warned_foreign:
+            self._warned_foreign = True
+            warnings.warn(f"{self.storage.url} holds checkpoints of another run (steps {others}); "
+                          "retention leaves them alone. Call restore() to continue that run, or "
+                          "delete them yourself", stacklevel=4)
+        keep = self.retention.keep(mine, protect={just_saved} if just_saved is not None else set())
+        doomed = [s for s in mine if s not in keep and s != max(committed)]
+        if doomed:
+            self._check_lease()
+        for step in doomed:
+            self.delete(step)
 
     def delete(self, step: int) -> None:
         """Delete a checkpoint: manifests first (durably), then its data, then the folder."""
@@ -139,6 +196,15 @@ class CheckpointManager:
         folder.remove_folder()
         log.info("deleted checkpoint of step %d", step)
 
+    def gc(self, *, dry_run: bool = False, min_age_s: float | None = None) -> list[str]:
+        """Remove files of interrupted saves and data no committed checkpoint needs;
+        never a committed checkpoint, a save of this manager still in flight, or a
+        file safeckpt did not write. Returns what was (or would be) removed."""
+        if not dry_run:
+            self._check_lease()
+        return garbage.collect(self.storage, in_flight=self._in_flight, min_age_s=min_age_s,
+                               dry_run=dry_run)
+
     # -- restoring ---------------------------------------------------------------------
     def restore(self, state: dict, step: int | None = None, *, strict: bool = True) -> int | None:
         """Load the newest valid checkpoint (or ``step``) into ``state``; return its step.
@@ -146,20 +212,20 @@ class CheckpointManager:
         Incomplete saves and corrupt checkpoints are skipped with a warning naming each.
         Returns None when the root has no committed checkpoint; raises
         ``CorruptCheckpointError`` if committed ones exist but none loads (the state
-        may then be partly overwritten)."""
+        may then be partly overwritten). Restoring continues that checkpoint's run."""
         self._check_open()
+        self.wait()
         if step is not None:
             self._load(state, step, strict)
             return step
-        candidates = self._on_rank0(
-            lambda: [(s, *self._status(s)) for s in reversed(self._step_folders())])
+        candidates = self._on_rank0(lambda: [(s, *self._described(s)) for s in reversed(self._step_folders())])
         skipped: list[str] = []
         failed = False
-        for i, (candidate, status, why_not) in enumerate(candidates):
+        for i, (candidate, status, detail) in enumerate(candidates):
             if status != "ok":
                 # a crash can leave only the newest save torn; older damage is corruption
                 failed = failed or (status == "damaged" and i > 0)
-                skipped.append(f"step {candidate}: not committed ({why_not})")
+                skipped.append(f"step {candidate}: not committed ({detail})")
                 continue
             try:
                 self._load(state, candidate, strict)
@@ -171,6 +237,7 @@ class CheckpointManager:
                 warnings.warn(f"restored step {candidate} from {self.storage.url}; skipped:\n  "
                               + "\n  ".join(skipped), stacklevel=2)
             log.info("restored step %d from %s", candidate, self.storage.url)
+            self.run_id = detail or self.run_id
             return candidate
         if failed:
             raise CorruptCheckpointError(
@@ -180,18 +247,42 @@ class CheckpointManager:
                           + "\n  ".join(skipped), stacklevel=2)
         return None
 
+    def _described(self, step: int) -> tuple[str, str | None]:
+        """(status, run id of the checkpoint when ok, else why not): picklable for ranks."""
+        status, m = self._read(step)
+        return status, (m.run_id if isinstance(m, Manifest) else m)
+
     def _load(self, state: dict, step: int, strict: bool) -> None:
         load(state, self.storage.child(step_folder(step)), strict=strict,
              process_group=self.group, allow_pickle=self.allow_pickle)
 
+    # -- preemption --------------------------------------------------------------------
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        log.warning("SIGTERM received: finish this step, save, and exit (mgr.preempted is set)")
+        self._preempted.set()
+
+    @property
+    def preempted(self) -> bool:
+        """True once SIGTERM arrived (with ``handle_sigterm=True``): save and exit."""
+        return self._preempted.is_set()
+
     # -- lifecycle ---------------------------------------------------------------------
-    def wait(self) -> None:
-        """Block until every save has committed (saves are synchronous for now)."""
+    def wait(self) -> CheckpointInfo | None:
+        """Block until the save in flight has committed; raise its error if nobody saw it."""
+        return self._saver.wait() if self._saver is not None else None
 
     def close(self) -> None:
-        """Finish pending work; the manager cannot be used afterwards."""
-        self.wait()
+        """Commit what is in flight; the manager cannot be used afterwards."""
+        if self._closed:
+            return
         self._closed = True
+        try:
+            if self._saver is not None:
+                self._saver.close()
+        finally:
+            if self._old_handler is not None:
+                signal.signal(signal.SIGTERM, self._old_handler)
+                self._old_handler = None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -202,6 +293,11 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _now() -> float:
+    import time
+    return time.perf_counter()
 
 
 def _quietly(fn: Any) -> None:

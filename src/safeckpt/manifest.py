@@ -97,6 +97,7 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
     block_size: int = BLOCK_SIZE
+    run_id: str | None = None  # the CheckpointManager run that wrote it (retention scope)
     version: int = FORMAT_VERSION
 
     @property
@@ -117,7 +118,7 @@ def encode_manifest(m: Manifest) -> bytes:
     """Serialize to the framed, self-checksummed form."""
     body = {
         "format_version": m.version, "save_id": m.save_id, "seq": m.seq, "created": m.created,
-        "world_size": m.world_size, "step": m.step, "block_size": m.block_size,
+        "world_size": m.world_size, "step": m.step, "block_size": m.block_size, "run_id": m.run_id,
         "metadata": encode_values(m.metadata, "metadata"), "metrics": encode_values(m.metrics, "metrics"),
         "files": [{k: v for k, v in vars(f).items() if v is not None} for f in m.files.values()],
         "tensors": {name: {"dtype": t.dtype, "shape": t.shape, "chunks": [vars(c) for c in t.chunks]}
@@ -224,14 +225,15 @@ def _decode_body(body: dict, where: str) -> Manifest:
         _need(covered == nbytes_of(t["shape"], dtype), where,
               f"tensor {name!r}: its chunks cover {covered} of {nbytes_of(t['shape'], dtype)} bytes")
         tensors[name] = TensorEntry(t["dtype"], t["shape"], chunks)
-    step, world = body.get("step"), body["world_size"]
+    step, world, run_id = body.get("step"), body["world_size"], body.get("run_id")
+    _need(run_id is None or isinstance(run_id, str), where, f"bad run_id {run_id!r}")
     _need(step is None or type(step) is int, where, f"bad step {step!r}")
     _need(_is_int(world, 1), where, f"bad world_size {world!r}")
     _need(isinstance(body["save_id"], str) and type(body["seq"]) is int
           and isinstance(body["created"], (int, float)), where, "bad save_id, seq or created")
     return Manifest(
         save_id=body["save_id"], seq=body["seq"], created=float(body["created"]), world_size=world,
-        files=files, tensors=tensors, tree=body["tree"], step=step, block_size=block,
+        files=files, tensors=tensors, tree=body["tree"], step=step, block_size=block, run_id=run_id,
         metadata=decode_values(body.get("metadata") or {}, "metadata"),
         metrics=decode_values(body.get("metrics") or {}, "metrics"), version=body["format_version"])
 

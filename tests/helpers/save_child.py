@@ -109,7 +109,7 @@ def mode_manager_loop(root: str, progress: str, keep_last: int = 2, limit_s: flo
     import safeckpt
     report = _Progress(progress)
     mgr = safeckpt.CheckpointManager(root, keep_last=keep_last)
-    latest = mgr.latest_step()
+    latest = mgr.restore(make_state(0))  # a resumed job continues its run (and its retention)
     step = 0 if latest is None else latest + 1
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:

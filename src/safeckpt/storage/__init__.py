@@ -13,14 +13,22 @@ __all__ = ["Storage", "LocalStorage", "open", "storage_error"]
 
 
 def open(url: "str | os.PathLike[str] | Storage", **storage_options) -> Storage:  # noqa: A001
-    """The storage for a path, ``file://`` URL or (with extras) fsspec URL."""
+    """The storage for a path, ``file://`` URL or (with the ``s3`` extra) any fsspec URL.
+
+    ``storage_options`` go to the backend: for fsspec URLs to the filesystem (s3fs:
+    ``endpoint_url``, ``key``, ``secret``, ``client_kwargs``, ...)."""
     if isinstance(url, Storage):
         return url
     text = os.fspath(url)
     if text.startswith("file://"):
         return LocalStorage(unquote(urlparse(text).path), **storage_options)
     if "://" in text:
-        scheme = text.split("://", 1)[0]
-        raise StorageError(f"no storage backend for {scheme}:// URLs ({text}); "
-                           "object stores need the fsspec backend: pip install 'safeckpt[s3]'")
+        try:
+            from .fsspec import FsspecStorage
+            import fsspec  # noqa: F401
+        except ImportError:
+            scheme = text.split("://", 1)[0]
+            raise StorageError(f"no storage backend for {scheme}:// URLs ({text}); "
+                               "object stores need the fsspec backend: pip install 'safeckpt[s3]'") from None
+        return FsspecStorage(text, **storage_options)
     return LocalStorage(text, **storage_options)

@@ -1,0 +1,544 @@
+"""Object stores and other fsspec filesystems (``s3://``, ``gs://``, ``az://``, ``memory://``, ...).
+
+Nothing here renames: every file is one object written once under its final name. On
+S3 (s3fs) the S3 API is called directly so that each guarantee is explicit rather than
+left to s3fs's file layer:
+
+- every create is conditional (``If-None-Match: *``), zero-byte files included (s3fs's
+  ``"xb"`` mode skips the condition for them and silently overwrites);
+- a lost race answers 412, which s3fs turns into ``FileExistsError`` on AWS and moto but
+  into ``OSError(EINVAL)`` on SeaweedFS (no ``Condition`` field): both become
+  ``FileExistsError``;
+- files larger than one part are uploaded as a multipart upload whose parts are cut
+  from the stream as it comes and sent in parallel (bounded memory), completed with the
+  same condition, and aborted on any error;
+- a PUT whose outcome is unknown (5xx, timeout, or a 412 on a retry of our own request)
+  is settled by looking at the object: every PUT carries a random write token in its
+  user metadata, and if the object carries ours, it succeeded (identical bytes from
+  another writer do not count);
+- listings bypass s3fs's listing cache, so another writer's files are never invisible.
+
+Other fsspec filesystems use fsspec's ``"xb"`` mode where the backend accepts it.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import secrets
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Any, Iterable, Iterator
+
+from ..errors import StorageError
+from .base import Buffer, Storage
+
+try:
+    import fsspec
+except ImportError:  # pragma: no cover - exercised only without the extra
+    fsspec = None
+
+#: fsspec protocols whose folders are implicit (prefixes): ``remove_folder`` is a no-op
+OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"}
+PART_SIZE = 64 << 20  # multipart part size; S3 needs at least 5 MiB for all but the last
+MAX_PARTS = 10_000
+PARALLEL_PARTS = 4  # parts in flight at once (memory: about (PARALLEL_PARTS + 1) * PART_SIZE)
+READ_PIECE = 16 << 20  # large range reads are split into pieces fetched concurrently
+READ_BATCH = 8
+WRITE_TOKEN = "safeckpt-write"  # user metadata naming the request that created an object
+
+_CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
+                     "InvalidClientTokenId", "AuthorizationHeaderMalformed", "UnrecognizedClientException"}
+
+
+def _bytes_view(part: Buffer) -> memoryview:
+    view = memoryview(part)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _client_error(exc: BaseException) -> tuple[str | None, int | None]:
+    """(S3 error code, HTTP status) of a botocore error, possibly wrapped by s3fs."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            return code, status
+    return None, None
+
+
+def _is_backend_error(exc: BaseException) -> bool:
+    """An error of the storage (s3fs/botocore/aiohttp/timeouts), not of the caller."""
+    module = type(exc).__module__ or ""
+    return isinstance(exc, (OSError, TimeoutError)) or module.split(".")[0] in (
+        "botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec")
+
+
+def _is_precondition_failed(exc: BaseException) -> bool:
+    code, status = _client_error(exc)
+    return status == 412 or code == "PreconditionFailed" or isinstance(exc, FileExistsError)
+
+
+def _is_definite(exc: BaseException) -> bool:
+    """True when the server certainly refused the request (a 4xx other than 408/409/412/429)."""
+    code, status = _client_error(exc)
+    if status is None:
+        return isinstance(exc, (PermissionError, FileNotFoundError))
+    return 400 <= status < 500 and status not in (408, 409, 412, 429)
+
+
+def object_store_error(exc: BaseException, action: str, where: str, endpoint: str | None = None) -> StorageError:
+    """Translate an s3fs/botocore/fsspec failure into a ``StorageError`` that says why."""
+    code, status = _client_error(exc)
+    name = type(exc).__name__
+    detail = str(exc)
+    err_no = getattr(exc, "errno", None)
+    if code in _CREDENTIAL_CODES or (status == 403 and code not in ("AccessDenied",)) \
+            or "NoCredentialsError" in name or "PartialCredentialsError" in name:
+        reason = ("the object store rejected the credentials (wrong or missing key/secret: pass "
+                  "storage_options={'key': ..., 'secret': ...} or set AWS credentials)")
+        err_no = errno.EACCES
+    elif code == "AccessDenied" or isinstance(exc, PermissionError):
+        reason = ("access denied: the credentials were rejected or lack permission for this "
+                  "bucket/prefix")
+        err_no = errno.EACCES
+    elif code == "NoSuchBucket":
+        bucket = where.split("://", 1)[-1].split("/", 1)[0]
+        reason = f"the bucket {bucket!r} does not exist (create it, or fix the URL)"
+        err_no = errno.ENOENT
+    elif code in ("QuotaExceeded", "EntityTooLarge") or err_no == errno.ENOSPC:
+        reason = f"the store refused the size ({code or 'no space'})"
+        err_no = errno.ENOSPC
+    elif "EndpointConnectionError" in name or "ConnectTimeout" in name or "ConnectionError" in name \
+            or isinstance(exc, ConnectionError):
+        reason = f"cannot reach the object store{f' at {endpoint}' if endpoint else ''} (is it running?)"
+        err_no = errno.ECONNREFUSED
+    elif status is not None and status >= 500:
+        reason = f"the object store failed with HTTP {status} ({code}); the operation may be retried"
+        err_no = errno.EIO
+    else:
+        reason = f"{code or name}"
+    err = StorageError(f"cannot {action} {where}: {reason} [{name}: {detail}]")
+    err.errno = err_no
+    return err
+
+
+class FsspecStorage(Storage):
+    """A folder (key prefix) on any fsspec filesystem; S3 gets a direct, conditional path."""
+
+    atomic_write = True  # an object appears whole, on the completion of its PUT
+    exclusive_create = True  # S3: If-None-Match; others: fsspec "xb" (see ``__init__``)
+
+    def __init__(self, url: str | None = None, *, fs: Any = None, path: str | None = None,
+                 part_size: int = PART_SIZE, parallel_parts: int = PARALLEL_PARTS,
+                 **storage_options: Any) -> None:
+        if fsspec is None:
+            raise StorageError(f"cannot open {url}: the fsspec backend needs fsspec "
+                               "(pip install 'safeckpt[s3]')")
+        if fs is None:
+            try:
+                fs, path = fsspec.core.url_to_fs(url, **storage_options)
+            except ImportError as exc:
+                raise StorageError(f"cannot open {url}: {exc} (for s3:// install 'safeckpt[s3]')") from exc
+            except (ValueError, TypeError) as exc:
+                raise StorageError(f"cannot open {url}: {exc}") from exc
+        self.fs = fs
+        self.path = (path or "").rstrip("/")
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        self.protocol = protocols[0]
+        self.is_s3 = "s3" in protocols
+        self.object_store = bool(OBJECT_STORE_PROTOCOLS.intersection(protocols))
+        self.part_size = max(int(part_size), 5 << 20) if self.is_s3 else int(part_size)
+        self.parallel_parts = max(1, int(parallel_parts))
+        self.url = fs.unstrip_protocol(self.path) if self.path else f"{self.protocol}://"
+        self.endpoint = getattr(fs, "endpoint_url", None)
+        if not self.is_s3:
+            # fsspec's "xb" elsewhere is at best check-then-create (memory://) or unverified
+            # (gcsfs, adlfs): a create is refused when the name exists, but two racing
+            # writers are not provably kept apart.
+            self.exclusive_create = False
+        if not self.object_store:
+            # memory:// (and local-like filesystems) show a file from the moment it is
+            # opened; object stores show an object only once its upload completes.
+            self.atomic_write = False
+        if self.is_s3:
+            self.bucket, _, self.prefix = self.path.partition("/")
+            if not self.bucket:
+                raise StorageError(f"cannot open {url}: an s3:// URL needs a bucket (s3://bucket/prefix)")
+
+    # -- naming ------------------------------------------------------------------------
+    def child(self, name: str) -> "FsspecStorage":
+        sub = FsspecStorage.__new__(FsspecStorage)
+        sub.__dict__.update(self.__dict__)
+        sub.path = f"{self.path}/{name.strip('/')}" if self.path else name.strip("/")
+        sub.url = self.fs.unstrip_protocol(sub.path)
+        if self.is_s3:
+            sub.bucket, _, sub.prefix = sub.path.partition("/")
+        return sub
+
+    def _full(self, name: str) -> str:
+        return f"{self.path}/{name}" if self.path else name
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def _where(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def _err(self, exc: BaseException, action: str, name: str | None) -> StorageError:
+        return object_store_error(exc, action, self._where(name) if name else self.url, self.endpoint)
+
+    def _call(self, method: str, **kwargs: Any) -> Any:
+        """One S3 API call through s3fs (its retries and error translation apply)."""
+        return self.fs.call_s3(method, **kwargs)
+
+    # -- writing -------------------------------------------------------------------------
+    def write_file(self, name: str, parts: Iterable[Buffer]) -> int:
+        if self.is_s3:
+            return self._s3_write(name, parts)
+        return self._fsspec_write(name, parts)
+
+    def _fsspec_write(self, name: str, parts: Iterable[Buffer]) -> int:
+        path = self._full(name)
+        written = 0
+        try:
+            try:
+                f = self.fs.open(path, "xb", block_size=self.part_size)
+            except (ValueError, NotImplementedError):  # the backend has no create-only mode
+                if self.fs.exists(path):
+                    raise FileExistsError(errno.EEXIST, "file exists", self._where(name)) from None
+                f = self.fs.open(path, "wb", block_size=self.part_size)
+            try:
+                for part in parts:
+                    view = _bytes_view(part)
+                    f.write(view)
+                    written += len(view)
+            except BaseException:
+                self._discard(f, path)
+                raise
+            f.close()  # the upload completes (the object appears) here
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            if _is_precondition_failed(exc):
+                raise FileExistsError(errno.EEXIST, "file exists", self._where(name)) from exc
+            raise self._err(exc, "write", name) from exc
+        return written
+
+    def _discard(self, f: Any, path: str) -> None:
+        """Abandon a file being written: nothing may appear under its name. fsspec's
+        buffered files would complete the upload on ``close()`` (even from ``__exit__``
+        or ``__del__``), so they are discarded and marked closed instead; backends that
+        show a file from its creation (``memory://``) get it removed."""
+        try:
+            f.discard()
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            f.closed = True
+        except Exception:  # noqa: BLE001
+            pass
+        if not self.atomic_write:
+            try:
+                self.fs.rm_file(path)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _s3_write(self, name: str, parts: Iterable[Buffer]) -> int:
+        """One conditional PUT when the data fits in one part, else a multipart upload."""
+        pieces = self._pieces(parts)
+        first = next(pieces, b"")
+        second = next(pieces, None)
+        if second is None:
+            self._s3_put(name, first)
+            return len(first)
+        return self._s3_multipart(name, itertools.chain([first, second], pieces))
+
+    def _s3_put(self, name: str, body: bytes) -> None:
+        key = self._key(name)
+        token = secrets.token_hex(12)  # tells our own object from another writer's
+        try:
+            self._call("put_object", Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*",
+                       Metadata={WRITE_TOKEN: token})
+        except Exception as exc:  # noqa: BLE001 - classified below
+            self._settle(exc, name, key, token)
+        finally:
+            self.fs.invalidate_cache(self._full(name))
+
+    def _settle(self, exc: BaseException, name: str, key: str, token: str) -> None:
+        """Decide a failed create: return if it in fact succeeded, else raise.
+
+        A 412 is a lost race -- or a retry (by botocore or s3fs) of our own request that
+        had succeeded; a 5xx, timeout or lost connection leaves the outcome unknown.
+        Either way the object is looked at: if it carries our write token, it is ours."""
+        if not _is_definite(exc) and self._ours(key, token):
+            return
+        if _is_precondition_failed(exc):
+            raise FileExistsError(errno.EEXIST, f"{self._where(name)} exists (another writer "
+                                  "created it first)", self._where(name)) from exc
+        raise self._err(exc, "write", name) from exc
+
+    def _ours(self, key: str, token: str) -> bool:
+        """Does the object exist and carry our write token? (False if it cannot be read.)"""
+        try:
+            head = self._call("head_object", Bucket=self.bucket, Key=key)
+        except Exception:  # noqa: BLE001 - any failure means "not proven"
+            return False
+        meta = {k.lower(): v for k, v in (head.get("Metadata") or {}).items()}
+        return meta.get(WRITE_TOKEN) == token
+
+    def _s3_multipart(self, name: str, pieces: Iterator[bytes]) -> int:
+        key = self._key(name)
+        token = secrets.token_hex(12)
+        try:
+            upload_id = self._call("create_multipart_upload", Bucket=self.bucket, Key=key,
+                                   Metadata={WRITE_TOKEN: token})["UploadId"]
+        except Exception as exc:  # noqa: BLE001
+            raise self._err(exc, "start a multipart upload of", name) from exc
+        etags: dict[int, str] = {}
+        futures: set[Future] = set()
+        slots = threading.Semaphore(self.parallel_parts)
+        pool = ThreadPoolExecutor(self.parallel_parts, thread_name_prefix="safeckpt-upload")
+
+        def upload(number: int, body: bytes) -> None:
+            try:
+                out = self._call("upload_part", Bucket=self.bucket, Key=key, PartNumber=number,
+                                 UploadId=upload_id, Body=body)
+                etags[number] = out["ETag"]
+            finally:
+                slots.release()
+
+        def submit(number: int, body: bytes) -> None:
+            slots.acquire()
+            for done in [f for f in futures if f.done()]:
+                futures.discard(done)
+                done.result()  # surface a failed part early
+            futures.add(pool.submit(upload, number, body))
+
+        total = 0
+        number = 0
+        try:
+            for part in pieces:
+                number += 1
+                if number > MAX_PARTS:
+                    raise StorageError(f"cannot write {self._where(name)}: more than {MAX_PARTS} parts")
+                total += len(part)
+                submit(number, part)
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in done:
+                f.result()
+            if len(etags) != number:
+                raise StorageError(f"cannot write {self._where(name)}: {number - len(etags)} parts missing")
+            parts_info = [{"PartNumber": n, "ETag": etags[n]} for n in range(1, number + 1)]
+            self._s3_complete(name, key, upload_id, parts_info, token)
+            return total
+        except BaseException as exc:
+            for f in futures:
+                f.cancel()
+            pool.shutdown(wait=True)
+            self._abort(key, upload_id)
+            if isinstance(exc, (FileExistsError, StorageError)) or not _is_backend_error(exc):
+                raise  # our own verdicts, and the caller's errors from ``parts``, unchanged
+            raise self._err(exc, "write", name) from exc
+        finally:
+            pool.shutdown(wait=True)
+            self.fs.invalidate_cache(self._full(name))
+
+    def _pieces(self, parts: Iterable[Buffer]) -> Iterator[bytes]:
+        """Cut the stream into parts of ``part_size`` as it comes (at most one part is
+        buffered; a large tensor is sliced, one copy). Parts grow past 2,000 so that a
+        file never needs more than ``MAX_PARTS``; the last one may be smaller."""
+        count = 0
+        buf = bytearray()
+
+        def size() -> int:
+            return self.part_size << min(count // 2000, 4)
+
+        for part in parts:
+            view = _bytes_view(part)
+            while view:
+                if not buf and len(view) >= size():
+                    piece, view = bytes(view[:size()]), view[size():]
+                else:
+                    want = size() - len(buf)
+                    buf += view[:want]
+                    view = view[want:]
+                    if len(buf) < size():
+                        continue
+                    piece, buf = bytes(buf), bytearray()
+                count += 1
+                yield piece
+        if buf or count == 0:
+            yield bytes(buf)
+
+    def _s3_complete(self, name: str, key: str, upload_id: str, parts: list[dict], token: str) -> None:
+        try:
+            self._call("complete_multipart_upload", Bucket=self.bucket, Key=key, UploadId=upload_id,
+                       MultipartUpload={"Parts": parts}, IfNoneMatch="*")
+        except Exception as exc:  # noqa: BLE001
+            self._settle(exc, name, key, token)
+
+    def _abort(self, key: str, upload_id: str) -> None:
+        try:
+            self._call("abort_multipart_upload", Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except Exception:  # noqa: BLE001 - garbage collection aborts what is left
+            pass
+
+    def abort_stale_uploads(self, older_than: float = 3600.0) -> int:
+        """Abort incomplete multipart uploads under this prefix started more than
+        ``older_than`` seconds ago (left by crashed saves; they cost storage until
+        aborted). Returns how many were aborted. A no-op off S3."""
+        if not self.is_s3:
+            return 0
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        cutoff = time.time() - older_than
+        aborted = 0
+        try:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+            while True:
+                page = self._call("list_multipart_uploads", **kwargs)
+                for up in page.get("Uploads", []):
+                    started = up.get("Initiated")
+                    if started is not None and started.timestamp() > cutoff:
+                        continue
+                    self._call("abort_multipart_upload", Bucket=self.bucket, Key=up["Key"],
+                               UploadId=up["UploadId"])
+                    aborted += 1
+                if not page.get("IsTruncated"):
+                    return aborted
+                kwargs["KeyMarker"] = page.get("NextKeyMarker")
+                kwargs["UploadIdMarker"] = page.get("NextUploadIdMarker")
+        except Exception as exc:  # noqa: BLE001
+            raise self._err(exc, "abort stale uploads in", None) from exc
+
+    # -- reading ----------------------------------------------------------------------
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        path = self._full(name)
+        view = out.cast("B") if out.format != "B" else out
+        n = len(view)
+        if n == 0:
+            return
+        pieces = [(s, min(s + READ_PIECE, offset + n)) for s in range(offset, offset + n, READ_PIECE)]
+        try:
+            for i in range(0, len(pieces), READ_BATCH):
+                batch = pieces[i:i + READ_BATCH]
+                if len(batch) == 1:
+                    datas = [self.fs.cat_file(path, start=batch[0][0], end=batch[0][1])]
+                else:
+                    datas = self.fs.cat_ranges([path] * len(batch), [s for s, _ in batch],
+                                               [e for _, e in batch], on_error="return")
+                for (start, end), data in zip(batch, datas):
+                    if isinstance(data, BaseException):
+                        raise data
+                    view[start - offset:start - offset + len(data)] = data
+                    if len(data) < end - start:
+                        raise EOFError(f"{self._where(name)} ends before byte {offset + n}")
+        except (FileNotFoundError, EOFError):
+            raise
+        except OSError as exc:
+            code, _ = _client_error(exc)
+            if code in ("NoSuchKey", "InvalidRange"):
+                if code == "NoSuchKey":
+                    raise FileNotFoundError(errno.ENOENT, "no such object", self._where(name)) from exc
+                raise EOFError(f"{self._where(name)} ends before byte {offset + n}") from exc
+            raise self._err(exc, "read", name) from exc
+
+    def size(self, name: str) -> int:
+        path = self._full(name)
+        try:
+            if self.is_s3:
+                return int(self._call("head_object", Bucket=self.bucket, Key=self._key(name))["ContentLength"])
+            info = self.fs.info(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "no such file", self._where(name)) from None
+        except OSError as exc:
+            code, status = _client_error(exc)
+            if status == 404 and code != "NoSuchBucket":
+                raise FileNotFoundError(errno.ENOENT, "no such file", self._where(name)) from exc
+            raise self._err(exc, "stat", name) from exc
+        if info.get("type") == "directory":
+            raise FileNotFoundError(errno.ENOENT, "no such file (a folder)", self._where(name))
+        return int(info["size"])
+
+    # -- listing and deleting ----------------------------------------------------------------
+    def listdir(self) -> dict[str, int | None]:
+        self.fs.invalidate_cache(self.path)  # never answer from a stale listing cache
+        if self.is_s3:
+            return self._s3_listdir()
+        try:
+            entries = self.fs.ls(self.path, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        except OSError as exc:
+            raise self._err(exc, "list", None) from exc
+        out: dict[str, int | None] = {}
+        for e in entries:
+            base = e["name"].rstrip("/").rsplit("/", 1)[-1]
+            if e["name"].rstrip("/") == self.path:
+                continue
+            out[base] = None if e.get("type") == "directory" else int(e.get("size") or 0)
+        return out
+
+    def _s3_listdir(self) -> dict[str, int | None]:
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        out: dict[str, int | None] = {}
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "Delimiter": "/"}
+        try:
+            while True:
+                page = self._call("list_objects_v2", **kwargs)
+                for obj in page.get("Contents", []):
+                    base = obj["Key"][len(prefix):]
+                    if base:  # skip a "folder marker" object equal to the prefix
+                        out[base] = int(obj["Size"])
+                for cp in page.get("CommonPrefixes", []):
+                    out[cp["Prefix"][len(prefix):].rstrip("/")] = None
+                if not page.get("IsTruncated"):
+                    return out
+                kwargs["ContinuationToken"] = page["NextContinuationToken"]
+        except Exception as exc:  # noqa: BLE001
+            raise self._err(exc, "list", None) from exc
+
+    def delete(self, names: Iterable[str]) -> None:
+        names = list(names)
+        if not names:
+            return
+        if self.is_s3:
+            self._s3_delete(names)
+            return
+        for name in names:
+            try:
+                self.fs.rm_file(self._full(name))
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise self._err(exc, "delete", name) from exc
+        self.fs.invalidate_cache(self.path)
+
+    def _s3_delete(self, names: list[str]) -> None:
+        try:
+            for i in range(0, len(names), 1000):
+                batch = names[i:i + 1000]
+                out = self._call("delete_objects", Bucket=self.bucket,
+                                 Delete={"Objects": [{"Key": self._key(n)} for n in batch], "Quiet": True})
+                errors = [e for e in out.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+                if errors:
+                    first = errors[0]
+                    raise StorageError(f"cannot delete {len(errors)} object(s) in {self.url}, e.g. "
+                                       f"{first.get('Key')}: {first.get('Code')} {first.get('Message')}")
+        except StorageError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise self._err(exc, "delete objects in", None) from exc
+        finally:
+            self.fs.invalidate_cache(self.path)
+
+    def remove_folder(self) -> None:
+        if self.object_store or "/" not in self.path.strip("/"):
+            return  # folders are prefixes; and never touch a bucket or filesystem root
+        try:
+            if self.fs.ls(self.path, detail=False):
+                return
+            self.fs.rmdir(self.path)
+        except OSError:
+            return  # missing or not empty: nothing to do

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
 import secrets
 import time
 import warnings

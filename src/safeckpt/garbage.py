@@ -3,17 +3,14 @@
 Only names safeckpt writes (``data-<save_id>-rNNNNN.safetensors`` and
 ``manifest-NNNNNN.json`` inside ``step-NNNNNNNNN`` folders) are ever considered;
 anything else in the root is left alone. A save that may still be running is
-protected by its save id: ids in ``in_flight`` are never touched, and with
-``min_age_s`` neither is any save younger than that, by the time its id records
-(never by file mtimes, which FUSE mounts get wrong).
+protected by its save id: with ``min_age_s``, no save younger than that is touched,
+by the time its id records (never by file mtimes, which FUSE mounts get wrong).
 """
 
 from __future__ import annotations
 
 import re
 import time
-from typing import Iterable
-
 from .checkpoint import read_committed
 from .commit import DATA_RE
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -31,11 +28,10 @@ def save_id_age(save_id: str, now: float) -> float:
         return float("inf")
 
 
-def garbage_in(folder: Storage, in_flight: Iterable[str] = (), min_age_s: float | None = None,
+def garbage_in(folder: Storage, min_age_s: float | None = None,
                now: float | None = None) -> tuple[list[str], list[str]]:
     """(manifests, data files) in one checkpoint folder that nothing committed needs."""
     now = time.time() if now is None else now
-    protected_ids = set(in_flight)
     listing = folder.listdir()
     try:
         committed = read_committed(folder, listing)
@@ -47,7 +43,7 @@ def garbage_in(folder: Storage, in_flight: Iterable[str] = (), min_age_s: float 
         m = DATA_RE.fullmatch(name)
         if m is None or name in needed:
             continue
-        if m.group(1) in protected_ids or (min_age_s is not None and save_id_age(m.group(1), now) < min_age_s):
+        if min_age_s is not None and save_id_age(m.group(1), now) < min_age_s:
             live = True  # a save may still be running here: leave its manifest slot alone too
             continue
         data.append(name)
@@ -58,8 +54,7 @@ def garbage_in(folder: Storage, in_flight: Iterable[str] = (), min_age_s: float 
     return manifests, sorted(data)
 
 
-def collect(root: Storage, *, in_flight: Iterable[str] = (), min_age_s: float | None = None,
-            dry_run: bool = False) -> list[str]:
+def collect(root: Storage, *, min_age_s: float | None = None, dry_run: bool = False) -> list[str]:
     """Remove garbage under ``root`` (manifests first, then data, then empty folders);
     return what was (or, with ``dry_run``, would be) removed, as ``folder/name``."""
     removed: list[str] = []
@@ -68,7 +63,7 @@ def collect(root: Storage, *, in_flight: Iterable[str] = (), min_age_s: float | 
         if size is not None or not STEP_RE.fullmatch(name):
             continue
         folder = root.child(name)
-        manifests, data = garbage_in(folder, in_flight, min_age_s, now)
+        manifests, data = garbage_in(folder, min_age_s, now)
         removed += [f"{name}/{n}" for n in manifests + data]
         if not dry_run and (manifests or data):
             folder.delete(manifests)

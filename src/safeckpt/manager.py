@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 import uuid
 import warnings
 from typing import Any
@@ -59,7 +60,6 @@ class CheckpointManager:
         self._group: SingleGroup | TorchGroup | None = None
         self._lease: WriterLease | None = None
         self._saver = AsyncSaver() if async_save else None
-        self._in_flight: set[str] = set()
         self._warned_foreign = False
         self._closed = False
         self._preempted = threading.Event()
@@ -198,12 +198,13 @@ class CheckpointManager:
 
     def gc(self, *, dry_run: bool = False, min_age_s: float | None = None) -> list[str]:
         """Remove files of interrupted saves and data no committed checkpoint needs;
-        never a committed checkpoint, a save of this manager still in flight, or a
-        file safeckpt did not write. Returns what was (or would be) removed."""
+        never a committed checkpoint or a file safeckpt did not write. Call it between
+        saves (the manager does, after each commit); ``min_age_s`` also spares saves
+        younger than that, for use while another process may be saving. Returns what
+        was (or would be) removed."""
         if not dry_run:
             self._check_lease()
-        return garbage.collect(self.storage, in_flight=self._in_flight, min_age_s=min_age_s,
-                               dry_run=dry_run)
+        return garbage.collect(self.storage, min_age_s=min_age_s, dry_run=dry_run)
 
     # -- restoring ---------------------------------------------------------------------
     def restore(self, state: dict, step: int | None = None, *, strict: bool = True) -> int | None:
@@ -296,7 +297,6 @@ class CheckpointManager:
 
 
 def _now() -> float:
-    import time
     return time.perf_counter()
 
 

@@ -12,7 +12,6 @@ filesystem makes things durable and which calls it refuses.
 
 from __future__ import annotations
 
-import copy
 import errno
 import os
 import posixpath
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from ..storage.base import Buffer
-from .faults import Fault, OpCounter, make_error
+from .faults import CountedBackend, Fault, OpCounter, make_error
 
 __all__ = ["DiskProfile", "DISK_PROFILES", "SimulatedDisk"]
 
@@ -167,7 +166,7 @@ def _norm(path: str) -> str:
     return posixpath.normpath("/" + path.lstrip("/"))
 
 
-class SimulatedDisk:
+class SimulatedDisk(CountedBackend):
     """An in-memory filesystem with power cuts; pass it as ``LocalStorage(path, fs=disk)``.
 
     Operation kinds (for ``crash_after`` and ``Fault``): ``open``, ``write``, ``fsync``
@@ -194,40 +193,6 @@ class SimulatedDisk:
     def name(self) -> str:
         """Like ``os.name``."""
         return self.profile.os_name
-
-    @property
-    def ops(self) -> int:
-        return self.counter.ops
-
-    @property
-    def crash_after(self) -> int | None:
-        return self.counter.crash_after
-
-    @crash_after.setter
-    def crash_after(self, k: int | None) -> None:
-        self.counter.crash_after = k
-
-    @property
-    def crashed(self):
-        """The ``SimulatedCrash``, once the process died."""
-        return self.counter.crashed
-
-    @property
-    def log(self) -> list[tuple[int, str, str]]:
-        return self.counter.log
-
-    def inject(self, op: str, error, **kw) -> Fault:
-        """Add a ``Fault`` rule (see ``Fault``) and return it."""
-        fault = Fault(op, error, **kw)
-        self.counter.faults.append(fault)
-        return fault
-
-    def clone(self) -> "SimulatedDisk":
-        """An independent copy (files, pending writes, faults); the op count restarts."""
-        twin = copy.deepcopy(self)
-        twin.counter.ops = 0
-        twin.counter.log = []
-        return twin
 
     def _op(self, kind: str, path: str) -> bool:
         """Count an operation; True if it is the crashing one (caller tears, then dies)."""

@@ -9,6 +9,8 @@ reach storage any more. ``SimulatedCrash`` derives from ``BaseException`` so tha
 
 from __future__ import annotations
 
+import copy
+
 import errno as _errno
 import os
 import random
@@ -340,3 +342,44 @@ class _Shared:
 
     def budget(self) -> int | None:
         return self.enospc_after_bytes
+
+
+class CountedBackend:
+    """Shared face of the simulated backends: their operation counter, crash point,
+    fault rules and cloning, all kept in ``self.counter`` (an ``OpCounter``)."""
+
+    counter: OpCounter
+
+    @property
+    def ops(self) -> int:
+        return self.counter.ops
+
+    @property
+    def crash_after(self) -> int | None:
+        return self.counter.crash_after
+
+    @crash_after.setter
+    def crash_after(self, k: int | None) -> None:
+        self.counter.crash_after = k
+
+    @property
+    def crashed(self):
+        """The ``SimulatedCrash``, once the process died."""
+        return self.counter.crashed
+
+    @property
+    def log(self) -> list[tuple[int, str, str]]:
+        return self.counter.log
+
+    def inject(self, op: str, error, **kw) -> Fault:
+        """Add a ``Fault`` rule (see ``Fault``) and return it."""
+        fault = Fault(op, error, **kw)
+        self.counter.faults.append(fault)
+        return fault
+
+    def clone(self):
+        """An independent copy (contents, pending writes, faults); the op count restarts."""
+        twin = copy.deepcopy(self)
+        twin.counter.ops = 0
+        twin.counter.log = []
+        return twin

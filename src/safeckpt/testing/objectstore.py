@@ -10,18 +10,17 @@ cut loses nothing. Operations are numbered like ``SimulatedDisk``'s (kinds ``put
 
 from __future__ import annotations
 
-import copy
 import errno
 import random
 from typing import Iterable
 
 from ..storage.base import Buffer, Storage, storage_error
-from .faults import Fault, OpCounter, make_error
+from .faults import CountedBackend, OpCounter
 
 __all__ = ["MemoryObjectStore", "ObjectBucket"]
 
 
-class ObjectBucket:
+class ObjectBucket(CountedBackend):
     """The objects (key -> bytes) and the operation counter of one simulated bucket."""
 
     def __init__(self, *, crash_after: int | None = None, faults: Iterable[Fault] = (),
@@ -33,38 +32,6 @@ class ObjectBucket:
         self._stale: dict[str, list] = {}
 
     name = "object-store"
-
-    @property
-    def ops(self) -> int:
-        return self.counter.ops
-
-    @property
-    def crash_after(self) -> int | None:
-        return self.counter.crash_after
-
-    @crash_after.setter
-    def crash_after(self, k: int | None) -> None:
-        self.counter.crash_after = k
-
-    @property
-    def crashed(self):
-        return self.counter.crashed
-
-    @property
-    def log(self) -> list[tuple[int, str, str]]:
-        return self.counter.log
-
-    def inject(self, op: str, error, **kw) -> Fault:
-        """Add a ``Fault`` rule (see ``Fault``) and return it."""
-        fault = Fault(op, error, **kw)
-        self.counter.faults.append(fault)
-        return fault
-
-    def clone(self) -> "ObjectBucket":
-        twin = copy.deepcopy(self)
-        twin.counter.ops = 0
-        twin.counter.log = []
-        return twin
 
     def crash(self, rng: "random.Random | int | None" = None, mode: str = "random") -> None:
         """A crash of the client: every acknowledged PUT/DELETE is durable, so nothing

@@ -134,6 +134,14 @@ def _fsync(path: Path, flags: int) -> None:
         os.close(fd)
 
 
+def remove(path: Path) -> None:
+    """Delete a checkpoint (file or folder) if it exists."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def disk_usage(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
@@ -363,10 +371,10 @@ def make_tools(only: set[str] | None) -> list[Tool]:
         Tool("safeckpt.save", safeckpt_save, "", "yes (by design)",
              [Loader("safeckpt.load (in place)", safeckpt_load, True),
               Loader("safeckpt.load_state", safeckpt_load_state, False)], sk_skip),
-        Tool("torch.save", torch_save, ".pt", "no",
+        Tool("torch.save", torch_save, ".pt", "no, harness does",
              [Loader("torch.load", torch_load, False),
               Loader("torch.load(mmap=True)", torch_load_mmap, False)]),
-        Tool("safetensors.save_file", safetensors_save, ".safetensors", "no",
+        Tool("safetensors.save_file", safetensors_save, ".safetensors", "no, harness does",
              [Loader("safetensors.load_file", safetensors_load, False)], st_skip),
         Tool("dcp.save", dcp_save, "", "yes (sync_files)",
              [Loader("dcp.load (in place)", dcp_load, True)]),
@@ -422,7 +430,7 @@ def run_case(case: str, state: dict, tools: list[Tool], repeat: int, workdir: Pa
             except Exception as e:
                 rec["error"] = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
-                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+                remove(path)
                 continue
             for ld in tool.loaders:
                 lrec = res.setdefault(ld.name, {"kind": "load", "in_place": ld.in_place,
@@ -451,7 +459,7 @@ def run_case(case: str, state: dict, tools: list[Tool], repeat: int, workdir: Pa
                 finally:
                     out.clear()
                     gc.collect()
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            remove(path)
             os.sync()  # absorb delete/discard work before the next timing
             print(f"  [{case} r{r + 1}/{repeat}] {tool.name}: done", file=sys.stderr, flush=True)
     for name, rec in res.items():
@@ -487,13 +495,37 @@ def rss_child(args: argparse.Namespace) -> None:
     nbytes = state_nbytes(state)
     ctx = Ctx(state, {}, np.zeros(0, np.uint8), nbytes, memoryview(b""))
     gc.collect()
-    rss_now = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    path = Path(args.rss_path)
-    RSS_CHILD[args.rss_child](ctx, path)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"state_bytes": nbytes, "rss_before": rss_now, "maxrss_before": base,
-                      "maxrss_after": peak, "extra_bytes": max(0, peak - max(base, rss_now))}))
+    # Reset the kernel's peak-RSS mark (VmHWM) to the current RSS, so the peak measured
+    # is the save's own, not an earlier one (import, state build); ru_maxrss as fallback.
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        hwm_reset = True
+    except OSError:
+        hwm_reset = False
+    before = proc_status()
+    maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    RSS_CHILD[args.rss_child](ctx, Path(args.rss_path))
+    after = proc_status()
+    maxrss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if hwm_reset:
+        extra, how = after["VmHWM"] - before["VmRSS"], "VmHWM after reset - VmRSS before"
+    else:
+        extra, how = maxrss_after - max(maxrss_before, before["VmRSS"]), "ru_maxrss delta"
+    print(json.dumps({"state_bytes": nbytes, "rss_before": before["VmRSS"], "extra_bytes": max(0, extra),
+                      "method": how, "maxrss_before": maxrss_before, "maxrss_after": maxrss_after,
+                      "status_before": before, "status_after": after}))
+
+
+def proc_status() -> dict[str, int]:
+    """Vm*/Rss* lines of /proc/self/status, in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k.startswith(("Vm", "Rss")) and v.strip().endswith("kB"):
+                out[k] = int(v.split()[0]) * 1024
+    return out
 
 
 def measure_rss(tool: str, args: argparse.Namespace, workdir: Path) -> dict:
@@ -506,7 +538,7 @@ def measure_rss(tool: str, args: argparse.Namespace, workdir: Path) -> dict:
             return {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"rc {p.returncode}"}
         return json.loads(p.stdout.strip().splitlines()[-1])
     finally:
-        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        remove(path)
 
 
 # ----------------------------------------------------------------------------- report
@@ -518,25 +550,25 @@ def fmt_s(x: float) -> str:
 
 def case_table(name: str, case: dict) -> str:
     ops, nbytes = case["ops"], case["bytes"]
-    raw = {"save": ops.get("raw write+fsync", {}).get("median_s"),
-           "load": ops.get("raw read", {}).get("median_s")}
+    raw = {"save": ops.get("raw write+fsync", {}), "load": ops.get("raw read", {})}
     lines = [f"### {name}: {case['n_tensors']:,} tensors, {nbytes / MiB:,.1f} MiB",
              "",
-             "| op | fsyncs itself | median s | min–max s | GB/s | × raw | harness fsync s | on disk MiB |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| op | notes | median s | min–max s | GB/s | × raw | × raw (best) | harness fsync s | on disk MiB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for op, rec in ops.items():
         if "median_s" not in rec:
-            lines.append(f"| {op} | | ERROR: {rec.get('error')} | | | | | |")
+            lines.append(f"| {op} | | ERROR: {rec.get('error')} | | | | | | |")
             continue
         base = raw[rec["kind"]]
-        ratio = f"{rec['median_s'] / base:.2f}" if base else "–"
+        ratio = f"{rec['median_s'] / base['median_s']:.2f}" if "median_s" in base else "–"
+        best = f"{rec['min_s'] / base['min_s']:.2f}" if "min_s" in base else "–"
         if rec["kind"] == "save":
-            extra = (rec["self_fsync"], fmt_s(rec["fsync_median_s"]), f"{rec['disk_bytes'] / MiB:,.1f}")
+            extra = ("fsyncs itself: " + rec["self_fsync"], fmt_s(rec["fsync_median_s"]), f"{rec['disk_bytes'] / MiB:,.1f}")
         else:
             note = "in place" if rec["in_place"] else ("lazy mmap, pages touched" if rec["lazy"] else "new tensors")
             extra = (note, "", "")
         lines.append(f"| {op} | {extra[0]} | {fmt_s(rec['median_s'])} | {fmt_s(rec['min_s'])}–{fmt_s(rec['max_s'])}"
-                     f" | {nbytes / rec['median_s'] / 1e9:.2f} | {ratio} | {extra[1]} | {extra[2]} |")
+                     f" | {nbytes / rec['median_s'] / 1e9:.2f} | {ratio} | {best} | {extra[1]} | {extra[2]} |")
     lines.append("")
     # safeckpt / peer, op for op
     pairs = [("safeckpt.save", ["torch.save", "safetensors.save_file", "dcp.save"]),
@@ -568,14 +600,19 @@ def report(result: dict) -> str:
            + (" — **tmpfs: this measures RAM, not a disk**" if env['fs']['fstype'] in ("tmpfs", "ramfs") else ""),
            f"- page cache before loads: {'dropped (cold reads)' if env['cold_cache'] else '**warm cache** (could not drop)'}",
            f"- dcp: {env['dcp_mode']}; repeats: {result['repeat']} (median, min–max)",
+           f"- CPU used by other processes during the run: {env['other_cpu_share']:.0%} of the machine "
+           f"(load average at start {env['loadavg_start'][0]})"
+           + (" — **the machine was busy: timings are skewed**" if env['other_cpu_share'] > 0.15 else ""),
            "- every save is timed to durability: call + harness fsync of every written file and folder; for peers "
            "that do not fsync (torch.save, safetensors) the harness fsync is their real cost of being durable",
-           "- GB/s = payload tensor bytes (10^9) / median s; × raw = median / raw write+fsync (saves) or raw read (loads)",
+           "- GB/s = payload tensor bytes (10^9) / median s; × raw = median / median of raw write+fsync (saves) "
+           "or raw read (loads); × raw (best) = fastest run / fastest raw run (less sensitive to a noisy disk)",
+           f"- safeckpt source fingerprint: {env.get('safeckpt_src', '?')}",
            ""]
     for name, case in result["cases"].items():
         out.append(case_table(name, case))
     if result.get("rss"):
-        out += ["### peak extra RSS of one save of the large state (fresh process; ru_maxrss − baseline)", "",
+        out += ["### peak extra RSS of one save of the large state (fresh process; peak RSS during the save − RSS before)", "",
                 "| op | state MiB | extra RSS MiB | extra / state |", "|---|---:|---:|---:|"]
         for tool, r in result["rss"].items():
             if "error" in r:
@@ -591,6 +628,42 @@ def report(result: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- main
+
+
+def cpu_snapshot() -> tuple[float, float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process and its children, wall)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+    except (OSError, ValueError):
+        busy = float("nan")
+    t = os.times()
+    return busy, t.user + t.system + t.children_user + t.children_system, time.monotonic()
+
+
+def other_cpu_share(start: tuple[float, float, float]) -> float:
+    """Share of the machine's CPU time that other processes used since ``start``:
+    a busy neighbour makes every timing here unreliable."""
+    end = cpu_snapshot()
+    wall = end[2] - start[2]
+    other = (end[0] - start[0]) - (end[1] - start[1])
+    return round(max(0.0, other) / (wall * (os.cpu_count() or 1)), 3) if wall > 0 else 0.0
+
+
+def source_fingerprint() -> str:
+    """sha256 (12 hex) of safeckpt's .py files, to tie results to a version of the code."""
+    import hashlib
+
+    try:
+        import safeckpt
+    except Exception:
+        return "unavailable"
+    h = hashlib.sha256()
+    root = Path(safeckpt.__file__).parent
+    for p in sorted(root.rglob("*.py")):
+        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
+    return f"{h.hexdigest()[:12]} ({root})"
 
 
 def default_dir() -> Path:
@@ -636,6 +709,11 @@ def main() -> int:
         print(f"not enough free space in {base}: {fs['free_gib']} GiB free, ~{need / 2**30:.1f} GiB needed",
               file=sys.stderr)
         return 2
+    load_start = os.getloadavg()
+    if load_start[0] > (os.cpu_count() or 1) / 2:
+        print(f"WARNING: load average {load_start[0]:.1f} on {os.cpu_count()} CPUs: other work will "
+              "skew the timings", file=sys.stderr)
+    cpu_start = cpu_snapshot()
     dcp_mode = setup_dcp()
     tools = make_tools(set(args.tools.split(",")) if args.tools else None)
     workdir = Path(tempfile.mkdtemp(prefix=".safeckpt-bench-", dir=base))
@@ -674,10 +752,13 @@ def main() -> int:
     except ImportError:
         st_version = "unavailable"
     result = {
-        "env": {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
+        "env": {"safeckpt_src": source_fingerprint(), "when": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
                 "torch": torch.__version__, "safetensors": st_version, "safeckpt": sk_version,
                 "cpus": os.cpu_count(), "dir": str(base), "fs": fs, "cold_cache": can_drop[0],
-                "dcp_mode": dcp_mode, "host": platform.node()},
+                "dcp_mode": dcp_mode, "host": platform.node(),
+                "other_cpu_share": other_cpu_share(cpu_start),
+                "loadavg_start": [round(x, 2) for x in load_start],
+                "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                  if not k.startswith("rss_")},
         "repeat": args.repeat,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import enum
 import math
-import os
 import pickle
 import random
 import warnings

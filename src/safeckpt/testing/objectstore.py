@@ -15,7 +15,7 @@ import random
 from typing import Iterable
 
 from ..storage.base import Buffer, Storage, storage_error
-from .faults import CountedBackend, OpCounter
+from .faults import CountedBackend, Fault, OpCounter
 
 __all__ = ["MemoryObjectStore", "ObjectBucket"]
 

@@ -71,7 +71,7 @@ class StagingPool:
         for name in list(self.buffers):
             if name not in pieces:
                 del self.buffers[name]
-        return FlatState(flat.tree, pieces, flat.aliases)
+        return FlatState(flat.tree, pieces, flat.aliases, flat.has_local)
 
     @property
     def nbytes(self) -> int:

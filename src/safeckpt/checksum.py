@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import xxhash
 
 ALGORITHM = "xxh3_64"
@@ -23,9 +25,9 @@ def block_checksums(data, block_size: int = BLOCK_SIZE) -> list[str]:
     return [checksum(view[i:i + block_size]) for i in range(0, len(view), block_size)]
 
 
+_CHECKSUM_RE = re.compile(ALGORITHM + r":[0-9a-f]{16}", re.ASCII)
+
+
 def is_checksum(value: object) -> bool:
     """True when ``value`` is a checksum string this version can check."""
-    if not isinstance(value, str) or not value.startswith(ALGORITHM + ":"):
-        return False
-    digest = value[len(ALGORITHM) + 1 :]
-    return len(digest) == 16 and all(c in "0123456789abcdef" for c in digest)
+    return isinstance(value, str) and _CHECKSUM_RE.fullmatch(value) is not None

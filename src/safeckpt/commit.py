@@ -40,6 +40,7 @@ class Intent:
     aliases: dict[str, str]
     tree: Any
     error: str | None = None
+    has_local: bool = False
 
 
 @dataclass
@@ -98,7 +99,8 @@ class SaveRun:
         flat = self._guard(flatten)
         intent = Intent(self.storage.url, self.step, [p.info for p in flat.pieces.values()] if flat else [],
                         flat.aliases if flat else {}, flat.tree if flat else None,
-                        describe_error(self.local_error) if self.local_error else None)
+                        describe_error(self.local_error) if self.local_error else None,
+                        flat.has_local if flat else False)
         intents = self.group.gather(intent)
         plans = self._plan(intents) if self.group.rank == 0 else None
         mine: Assignment = self.group.scatter(plans)
@@ -143,7 +145,7 @@ class SaveRun:
 
     def _assign(self, intents: list[Intent]) -> list[Assignment]:
         _check_agreement(intents)
-        self.tree = merge_trees([i.tree for i in intents])
+        self.tree = merge_trees([i.tree for i in intents], has_local=any(i.has_local for i in intents))
         per_rank = assign_writes([i.pieces for i in intents])
         _check_shards(intents)
         self.old, max_seq = self.existing(self.storage)
@@ -296,10 +298,12 @@ def _check_shards(intents: list[Intent]) -> None:
         check_coverage(name, shapes[name], sorted(found))
 
 
-def merge_trees(trees: list[Any], key: str = "") -> Any:
+def merge_trees(trees: list[Any], key: str = "", has_local: bool = True) -> Any:
     """The saved tree: shared values must be equal on every rank; rank-local values
     (``{"$local": x}``) are collected into ``{"$local": [x_rank0, x_rank1, ...]}``."""
     first = trees[0]
+    if not has_local and all(t == first for t in trees[1:]):
+        return first  # the common case, compared in C
     if isinstance(first, dict) and all(isinstance(t, dict) and t.keys() == first.keys() for t in trees):
         if first.keys() == {"$local"}:
             return {"$local": [t["$local"] for t in trees]}

@@ -197,18 +197,19 @@ def _decode_files(entries: Any, where: str) -> dict[str, FileEntry]:
 
 def _decode_chunk(raw: Any, name: str, t: dict, dtype: Any, files: dict[str, FileEntry],
                   block: int, where: str) -> Chunk:
-    c = Chunk(**_known(Chunk, raw, where))
-    _need(c.file in files, where, f"tensor {name!r} names unlisted file {c.file!r}")
-    _need(_int_list(c.offsets) and _int_list(c.shape) and len(c.shape) == len(t["shape"])
-          and len(c.offsets) == len(c.shape)
+    # built field by field (unknown, newer fields are ignored): this runs once per tensor
+    c = Chunk(raw["file"], raw["start"], raw["end"], raw["checksums"], raw["offsets"], raw["shape"])
+    f = files.get(c.file)
+    _need(f is not None, where, f"tensor {name!r} names unlisted file {c.file!r}")
+    ndim = len(t["shape"])
+    _need(_int_list(c.offsets) and _int_list(c.shape) and len(c.shape) == ndim == len(c.offsets)
           and all(o + s <= g for o, s, g in zip(c.offsets, c.shape, t["shape"])),
           where, f"tensor {name!r}: chunk box outside the tensor")
-    _need(_is_int(c.start) and _is_int(c.end) and c.start <= c.end <= files[c.file].size
+    _need(_is_int(c.start) and _is_int(c.end) and c.start <= c.end <= f.size
           and c.end - c.start == nbytes_of(c.shape, dtype), where,
           f"tensor {name!r}: byte range [{c.start}, {c.end}) does not fit {c.file} or its shape")
-    blocks = max(1, -(-(c.end - c.start) // block))
-    _need(isinstance(c.checksums, list) and len(c.checksums) == blocks
-          and all(is_checksum(s) for s in c.checksums), where, f"tensor {name!r}: bad checksums")
+    _need(isinstance(c.checksums, list) and len(c.checksums) == max(1, -(-(c.end - c.start) // block))
+          and all(map(is_checksum, c.checksums)), where, f"tensor {name!r}: bad checksums")
     return c
 
 

@@ -7,13 +7,12 @@ A *box* is ``(offsets, shape)`` in the index space of a global tensor.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
-@dataclass(frozen=True)
-class PieceInfo:
+class PieceInfo(NamedTuple):
     """What one rank holds of one logical tensor (metadata only, never data)."""
 
     name: str
@@ -73,6 +72,8 @@ def assign_writes(pieces_by_rank: list[list[PieceInfo]]) -> list[list[PieceInfo]
     """Decide which rank writes each piece: rank-local pieces by their owner, every
     other distinct box exactly once, spread over the ranks that hold it, balanced by
     bytes (largest first onto the least-loaded holder)."""
+    if len(pieces_by_rank) == 1:  # one process writes everything it holds
+        return [list(pieces_by_rank[0])]
     holders: dict[tuple, list[int]] = {}
     first: dict[tuple, PieceInfo] = {}
     meta: dict[str, PieceInfo] = {}

@@ -9,6 +9,7 @@ verification on, every block a read touches is read whole and checked.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,11 @@ class TensorReader:
 
     def _plan_read(self, name: str, chunks: list[Chunk], dest: torch.Tensor, box: Box,
                    dtype: torch.dtype, jobs: list[_Job], copies: list) -> None:
+        if (len(chunks) == 1 and dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
+                and tuple(chunks[0].shape) == box[1] == tuple(dest.shape) and not any(box[0])):
+            chunk = chunks[0]  # the common case: one whole chunk straight into its tensor
+            jobs.append(_Job(name, chunk, [(0, chunk.end - chunk.start)], byte_view(dest)))
+            return
         covered = 0
         for chunk in chunks:
             cbox = (tuple(chunk.offsets), tuple(chunk.shape))
@@ -106,23 +112,30 @@ class TensorReader:
     # -- execution -------------------------------------------------------------------
     def _execute(self, jobs: list[_Job]) -> None:
         jobs.sort(key=lambda j: (j.chunk.file, j.chunk.start))
-        i = 0
-        while i < len(jobs):
-            run = [jobs[i]]
-            size = len(jobs[i].out)
-            while (i + len(run) < len(jobs) and size < COALESCE_MAX and len(run[-1].out) < COALESCE_BELOW
-                   and (nxt := jobs[i + len(run)]).whole and run[-1].whole
-                   and nxt.chunk.file == run[-1].chunk.file and nxt.chunk.start == run[-1].chunk.end
-                   and len(nxt.out) < COALESCE_BELOW):
-                run.append(nxt)
-                size += len(nxt.out)
-            i += len(run)
-            if len(run) > 1:
-                self._read_coalesced(run, size)
-            elif run[0].whole:
-                self._read_whole(run[0])
-            else:
-                self._read_partial(run[0])
+        with ThreadPoolExecutor(1, thread_name_prefix="safeckpt-verify") as hasher:
+            checks: list[Future] = []  # large reads are checked while the next one runs
+            i = 0
+            while i < len(jobs):
+                run = [jobs[i]]
+                size = len(jobs[i].out)
+                while (i + len(run) < len(jobs) and size < COALESCE_MAX and len(run[-1].out) < COALESCE_BELOW
+                       and (nxt := jobs[i + len(run)]).whole and run[-1].whole
+                       and nxt.chunk.file == run[-1].chunk.file and nxt.chunk.start == run[-1].chunk.end
+                       and len(nxt.out) < COALESCE_BELOW):
+                    run.append(nxt)
+                    size += len(nxt.out)
+                i += len(run)
+                if len(run) > 1:
+                    self._read_coalesced(run, size)
+                elif not run[0].whole:
+                    self._read_partial(run[0])
+                else:
+                    job = run[0]
+                    self._read_into(job.chunk.file, job.chunk.start, job.out)
+                    if self.verify:
+                        checks.append(hasher.submit(self._check_blocks, job.name, job.chunk, job.out))
+            for check in checks:
+                check.result()
 
     def _read_coalesced(self, run: list[_Job], size: int) -> None:
         buf = memoryview(bytearray(size))
@@ -134,11 +147,6 @@ class TensorReader:
             pos += n
             if self.verify:
                 self._check_blocks(job.name, job.chunk, job.out)
-
-    def _read_whole(self, job: _Job) -> None:
-        self._read_into(job.chunk.file, job.chunk.start, job.out)
-        if self.verify:
-            self._check_blocks(job.name, job.chunk, job.out)
 
     def _read_partial(self, job: _Job) -> None:
         """Read the blocks the runs touch (whole blocks when verifying), copy the runs out."""

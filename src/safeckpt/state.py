@@ -20,7 +20,10 @@ from .errors import StateMismatchError, UnsafeObjectError
 from .manifest import TensorEntry
 from .plan import Box, PieceInfo
 from .shards import RankLocal, Shard, dtensor_box, is_dtensor
-from .tensors import dtype_from_name, dtype_name, is_storable, nbytes_of, to_storable
+from .tensors import dtype_from_name, dtype_name, is_storable, to_storable
+
+
+_PLAIN = {torch.Tensor, dict, list, tuple, int, float, str, bool, type(None)}
 
 
 def is_stateful(obj: Any) -> bool:
@@ -45,6 +48,7 @@ class FlatState:
     tree: Any
     pieces: dict[str, Piece]
     aliases: dict[str, str] = field(default_factory=dict)  # tied name -> first name
+    has_local: bool = False  # holds RankLocal values
 
 
 def local_name(key: str, rank: int) -> str:
@@ -59,6 +63,7 @@ def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState
     pieces: dict[str, Piece] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
+    has_local = False
 
     def add(name: str, t: torch.Tensor, kind: str, global_shape: list[int], offsets: list[int]) -> dict:
         if name in pieces or name in aliases:
@@ -70,7 +75,7 @@ def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState
             aliases[name] = seen[skey]
         else:
             info = PieceInfo(name, kind, dtype_name(t.dtype), tuple(global_shape), tuple(offsets),
-                             tuple(t.shape), nbytes_of(t.shape, t.dtype))
+                             tuple(t.shape), t.nbytes)
             pieces[name] = Piece(t, info)
             if t.numel():
                 seen[skey] = name
@@ -83,7 +88,11 @@ def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState
         return add(local_name(key, rank), t, "local", list(t.shape), [0] * t.dim())
 
     def on_object(key: str, value: Any, local: bool = False) -> Any:
+        if type(value) in _PLAIN:  # the common case, decided without attribute lookups
+            return value
         if isinstance(value, RankLocal):
+            nonlocal has_local
+            has_local = True
             inner = codec.encode(value.value, key, on_local_tensor,
                                  lambda k, v: on_object(k, v, True), allow_pickle)
             return codec.Encoded({"$local": inner})
@@ -98,7 +107,7 @@ def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState
         return value.state_dict() if is_stateful(value) else value
 
     tree = codec.encode(state, "", on_tensor, on_object, allow_pickle)
-    return FlatState(tree, pieces, aliases)
+    return FlatState(tree, pieces, aliases, has_local)
 
 
 @dataclass

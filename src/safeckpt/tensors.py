@@ -22,18 +22,19 @@ for _name, _code in (("float8_e4m3fnuz", "F8_E4M3FNUZ"), ("float8_e5m2fnuz", "F8
         SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
 
 
-_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
-                 torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128}
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"``: the manifest's dtype name."""
     return str(dtype).removeprefix("torch.")
 
 
+_DTYPES = {dtype_name(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                 torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128}
+
+
 def dtype_from_name(name: str, where: str) -> torch.dtype:
     """Inverse of ``dtype_name``; unknown names mean a corrupt or newer checkpoint."""
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
         raise CorruptCheckpointError(
             f"{where}: unknown dtype {name!r} (a newer torch or safeckpt wrote it, or it is corrupt)")
@@ -60,6 +61,9 @@ def is_storable(t: torch.Tensor) -> bool:
 
 def to_storable(t: torch.Tensor, key: str) -> torch.Tensor:
     """A dense, contiguous CPU tensor with the same values, or a clear error."""
+    if t.device.type == "cpu" and t.dtype not in QUANTIZED_DTYPES and t.is_contiguous() \
+            and t.layout == torch.strided and not t.is_nested:
+        return t.detach()
     if not is_storable(t):
         raise UnsafeObjectError(
             f"cannot store tensor {key!r} ({t.layout}, {t.dtype}, on {t.device}): only dense "

@@ -194,13 +194,13 @@ class SaveRun:
         return (_summary(self.storage.url, errors), errors, False)
 
     def _build_manifest(self, intents: list[Intent], reports: list[Report], mine: Assignment) -> Manifest:
-        infos = {p.name: p for i in intents for p in i.pieces}
         tensors: dict[str, TensorEntry] = {}
         files: dict[str, FileEntry] = {}
-        for rep in reports:
+        for intent, rep in zip(intents, reports):
             if rep.file is None:
                 continue
             files[rep.file.name] = rep.file
+            infos = {p.name: p for p in intent.pieces}  # this rank's boxes
             for w in rep.written:
                 info = infos[w.name]
                 entry = tensors.setdefault(w.name, TensorEntry(info.dtype, list(info.global_shape)))

@@ -28,11 +28,12 @@ import re
 import struct
 import tempfile
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from . import codec as _codec
 from .checkpoint import CheckpointInfo, read_committed
 from .checkpoint import save as safeckpt_save
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
@@ -45,12 +46,21 @@ from .storage import open as open_storage
 from .tensors import SAFETENSORS_DTYPES, byte_view, dtype_from_name, nbytes_of
 
 __all__ = ["ExportError", "ExportResult", "ExportedFile", "export_checkpoint", "import_checkpoint",
-           "detect_format", "read_foreign", "read_safetensors", "parse_size", "plan_shards",
+           "detect_format", "read_foreign", "plain_values", "read_safetensors", "parse_size", "plan_shards",
            "read_tensors"]
 
 READ_BATCH = 64 << 20  # tensors read together (adjacent chunks coalesce into one request)
 _SAFETENSORS_TO_TORCH = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+
+
+def _options_for(path: "str | os.PathLike[str] | Storage", options: dict | None) -> dict:
+    """Storage options apply to URLs; a local path (or a Storage object) takes none, so
+    one set of options serves e.g. an export from s3:// to a local folder."""
+    if isinstance(path, Storage):
+        return {}
+    text = os.fspath(path)
+    return dict(options or {}) if "://" in text and not text.startswith("file://") else {}
 
 
 class ExportError(CheckpointError, ValueError):
@@ -179,23 +189,20 @@ class _Target:
 
 
 def _target(out: str, fmt: str, sharded: bool) -> _Target:
-    out = os.fspath(out).rstrip("/") or "/"
-    suffixes = (".safetensors",) if fmt == "safetensors" else _TORCH_SUFFIXES
+    """Where the output goes: ``OUT`` ending in a file suffix names one file, else a folder."""
     stem, suffix = ("model", ".safetensors") if fmt == "safetensors" else ("pytorch_model", ".bin")
-    head, _, base = out.rpartition("/")
-    names_file = base.endswith(suffixes) or (fmt == "torch" and base.endswith(".safetensors"))
-    if fmt == "torch" and base.endswith(".safetensors"):
-        raise ExportError(f"{out}: a .safetensors name for --format torch output; use .pt, .bin or a folder")
-    if fmt == "safetensors" and base.endswith(_TORCH_SUFFIXES):
-        raise ExportError(f"{out}: a torch file name for safetensors output; use .safetensors or a folder "
-                          "(or --format torch)")
-    if names_file and sharded:
-        raise ExportError(f"{out}: with --max-shard-size the output is a folder (model-00001-of-0000N"
-                          f"{suffix} + index); give a folder, not a file name")
-    if names_file:
-        return _Target(head if head or not out.startswith("/") else "/", base, stem, suffix) if head \
-            else _Target(".", base, stem, suffix)
-    return _Target(out, None, stem, suffix)
+    stripped = out.rstrip("/") or "/"
+    head, sep, base = stripped.rpartition("/")
+    kind = "safetensors" if base.endswith(".safetensors") else "torch" if base.endswith(_TORCH_SUFFIXES) else None
+    if kind is None:
+        return _Target(stripped, None, stem, suffix)
+    if kind != fmt:
+        raise ExportError(f"{out}: a {kind} file name for --format {fmt} output; name the file "
+                          f"*{suffix} or give a folder")
+    if sharded:
+        raise ExportError(f"{out}: with --max-shard-size the output is a folder ({stem}-00001-of-0000N"
+                          f"{suffix} + {stem}{suffix}.index.json); give a folder, not a file name")
+    return _Target((head or "/") if sep else ".", base, stem, suffix)
 
 
 def _safetensors_parts(names: list[str], out_names: dict[str, str], manifest: Manifest,
@@ -234,15 +241,28 @@ def _torch_bytes(tensors: Iterator[tuple[str, torch.Tensor]], out_names: dict[st
     return buf.getbuffer()
 
 
-def _write(storage: Storage, name: str, parts: Iterable[bytes | memoryview], overwrite: bool) -> int:
+def _clear(storage: Storage, names: list[str], target: _Target, overwrite: bool) -> None:
+    """Refuse to replace existing output unless ``overwrite``; with it, remove the old
+    output first, including shards of an earlier export into more files."""
+    shard_re = re.compile(re.escape(target.shard_stem) + r"-[0-9]{5}-of-[0-9]{5}" + re.escape(target.shard_suffix))
+    index = f"{target.shard_stem}{target.shard_suffix}.index.json"
+    existing = storage.listdir()
+    clash = sorted(n for n in names if n in existing)
+    if clash and not overwrite:
+        raise CheckpointExistsError(f"{storage.url}/{clash[0]} exists; pass --overwrite (overwrite=True) "
+                                    "to replace the output")
+    if overwrite:
+        stale = set(clash) | {n for n in existing if shard_re.fullmatch(n) or n == index} if target.single_name is None \
+            else set(clash)
+        storage.delete(sorted(n for n in stale if existing.get(n) is not None))
+
+
+def _write(storage: Storage, name: str, parts: Iterable[bytes | memoryview]) -> int:
     try:
         return storage.write_file(name, parts)
     except FileExistsError:
-        if not overwrite:
-            raise CheckpointExistsError(f"{storage.url}/{name} exists; pass --overwrite (overwrite=True) "
-                                        "to replace it") from None
-    storage.delete([name])
-    return storage.write_file(name, parts)
+        raise CheckpointExistsError(f"{storage.url}/{name} appeared while exporting (another export "
+                                    "into the same place?)") from None
 
 
 def export_checkpoint(ckpt: "str | os.PathLike[str] | Storage", out: "str | os.PathLike[str]", *,
@@ -259,14 +279,15 @@ def export_checkpoint(ckpt: "str | os.PathLike[str] | Storage", out: "str | os.P
     is a file name (``.safetensors`` / ``.pt`` ...) or a folder, on any storage URL.
     ``select`` keeps tensors whose name starts with it (``"model."``), ``strip_prefix``
     removes it from the exported names. Non-tensor values are not exported (these
-    formats hold only tensors); their count is in the result. ``on_tensor(name, bytes)``
-    is called after each tensor is written (progress)."""
+    formats hold only tensors); their count is in the result. ``storage_options`` go to
+    whichever of ``ckpt`` and ``out`` is a URL (``out_storage_options``, if given, to
+    ``out``). ``on_tensor(name, bytes)`` is called after each tensor is written."""
     if format not in ("safetensors", "torch"):
         raise ExportError(f"unknown export format {format!r} (use 'safetensors' or 'torch')")
     if strip_prefix and not select:
         raise ExportError("--strip-prefix needs --select PREFIX (the prefix to strip)")
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
-    source = open_storage(ckpt, **(storage_options or {}))
+    source = open_storage(ckpt, **_options_for(ckpt, storage_options))
     manifest = read_committed(source)
     names = [n for n in manifest.tensors if not select or n.startswith(select)]
     if not names:
@@ -283,14 +304,16 @@ def export_checkpoint(ckpt: "str | os.PathLike[str] | Storage", out: "str | os.P
     sizes = [(n, nbytes_of(manifest.tensors[n].shape, dtype_from_name(manifest.tensors[n].dtype, n)))
              for n in names]
     target = _target(os.fspath(out), format, limit is not None)
-    storage = open_storage(target.folder, **(out_storage_options if out_storage_options is not None
-                                            else storage_options or {}))
+    storage = open_storage(target.folder, **_options_for(
+        target.folder, out_storage_options if out_storage_options is not None else storage_options))
     groups = plan_shards(sizes, limit) if limit is not None else [names]
     if len(groups) == 1:
         file_names = [target.single_name or f"{target.shard_stem}{target.shard_suffix}"]
     else:
         file_names = [f"{target.shard_stem}-{i:05d}-of-{len(groups):05d}{target.shard_suffix}"
                       for i in range(1, len(groups) + 1)]
+    index = f"{target.shard_stem}{target.shard_suffix}.index.json" if len(groups) > 1 else None
+    _clear(storage, file_names + ([index] if index else []), target, overwrite)
     size_of = dict(sizes)
 
     def tensors_of(group: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -303,35 +326,60 @@ def export_checkpoint(ckpt: "str | os.PathLike[str] | Storage", out: "str | os.P
     for group, file_name in zip(groups, file_names):
         if format == "safetensors":
             _, parts = _safetensors_parts(group, out_names, manifest, tensors_of(group))
-            n = _write(storage, file_name, parts, overwrite)
+            n = _write(storage, file_name, parts)
         else:
-            n = _write(storage, file_name, [_torch_bytes(tensors_of(group), out_names)], overwrite)
+            n = _write(storage, file_name, [_torch_bytes(tensors_of(group), out_names)])
         written.append(ExportedFile(file_name, n, len(group)))
-    index = None
     total = sum(size_of.values())
-    if len(groups) > 1:  # written last: a complete index means complete shards
-        index = f"{target.shard_stem}{target.shard_suffix}.index.json"
+    if index is not None:  # written last: a complete index means complete shards
         weight_map = {out_names[n]: f.name for group, f in zip(groups, written) for n in group}
         body = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _write(storage, index, [json.dumps(body, indent=2).encode() + b"\n"], overwrite)
-    skipped = _count_values(manifest.tree)
+        _write(storage, index, [json.dumps(body, indent=2).encode() + b"\n"])
+    skipped = sum(1 for k in plain_values(manifest.tree) if not select or k.startswith(select))
     return ExportResult(storage.url, written, index, len(names), total, skipped)
 
 
-def _count_values(node: Any) -> int:
-    """Non-tensor leaves in an encoded tree (what an export of tensors leaves out)."""
-    from . import codec
-    tag = codec.tag_of(node)
-    if tag == "$tensor":
-        return 0
-    if tag == "$local":
-        return sum(_count_values(n) for n in node["$local"])
-    if tag is None or tag in ("$set", "$frozenset"):
-        return 1
-    try:
-        return sum(_count_values(child) for _, child in codec.items_of(node, "", False))
-    except CheckpointError:
-        return 1
+def plain_values(tree: Any) -> dict[str, Any]:
+    """Every non-tensor value of a saved tree by its dotted name, still encoded (so two
+    checkpoints compare by their JSON). A list or tuple of plain values is one value, and
+    so is an empty container; rank-local values are named ``key@rank`` like rank-local
+    tensors."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, key: str) -> None:
+        tag = _codec.tag_of(node)
+        if tag == "$tensor":
+            return
+        if tag == "$local":
+            for rank, child in enumerate(node["$local"]):
+                walk(child, f"{key}@{rank}")
+            return
+        if tag is None or tag in ("$set", "$frozenset") or (tag in ("list", "$tuple", "$size")
+                                                             and not _has_tensor(node)):
+            out[key or "<root>"] = node  # a leaf, or a sequence of plain values: one value
+            return
+        try:
+            items = _codec.items_of(node, key, False)
+        except UnsafeObjectError:
+            out[key or "<root>"] = node  # a mapping with pickled keys
+            return
+        if not items and key:
+            out[key] = node
+        for k, child in items:
+            walk(child, _codec.child_key(key, k))
+
+    walk(tree, "")
+    return out
+
+
+def _has_tensor(node: Any) -> bool:
+    """True when an encoded sequence holds a tensor or a mapping (shown item by item)."""
+    tag = _codec.tag_of(node)
+    if tag in ("$tensor", "$local", "object", "$dict", "$odict"):
+        return True
+    if tag in ("list", "$tuple", "$size"):
+        return any(_has_tensor(n) for n in (node if tag == "list" else node[tag]))
+    return False
 
 
 # --------------------------------------------------------------------------- import: reading
@@ -386,6 +434,7 @@ def _weights_only_error(path: str, exc: BaseException) -> UnsafeObjectError:
     text = str(exc)
     m = re.search(r"WeightsUnpickler error: ([^\n]+)", text)
     why = (m.group(1) if m else text.strip().splitlines()[0] if text.strip() else type(exc).__name__)
+    why = why.split(" Please use ")[0].split(" Check the documentation")[0].rstrip(". ")
     return UnsafeObjectError(
         f"{path}: refused: torch.load(weights_only=True) does not allow what this file holds ({why.strip()}). "
         "safeckpt never unpickles arbitrary objects from a file; if you trust it, load it yourself "
@@ -446,7 +495,6 @@ def read_dcp(path: str) -> dict:
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-        from torch.distributed.checkpoint.utils import set_element
     except ImportError as exc:
         raise ExportError(f"cannot read the DCP checkpoint {path}: this torch has no "
                           f"torch.distributed.checkpoint ({exc})") from exc
@@ -468,14 +516,16 @@ def read_dcp(path: str) -> dict:
 
     class SafePlanner(_EmptyStateDictLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            # DCP's own load_bytes unpickles with weights_only=False: decode the value
+            # safely here and hand it the re-serialized (now known-safe) result
             try:
                 obj = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as exc:
                 raise _weights_only_error(f"{path} ({read_item.dest_index.fqn})", exc) from exc
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = obj
+            safe = io.BytesIO()
+            torch.save(obj, safe)
+            safe.seek(0)
+            super().load_bytes(read_item, safe)
 
     state: dict = {}
     with warnings.catch_warnings():
@@ -635,7 +685,7 @@ def import_checkpoint(src: "str | os.PathLike[str]", dest: "str | os.PathLike[st
     ``model.<name>`` of every tensor, ready for ``safeckpt.load({"model": model}, ...)``).
     The source's format and path are recorded in the metadata."""
     src_text = os.fspath(src)
-    opts = src_storage_options if src_storage_options is not None else storage_options or {}
+    opts = _options_for(src_text, src_storage_options if src_storage_options is not None else storage_options)
     with tempfile.TemporaryDirectory(prefix="safeckpt-import-") as tmp:
         local = _fetch(src_text, tmp, opts) if "://" in src_text and not src_text.startswith("file://") \
             else src_text.removeprefix("file://")
@@ -646,13 +696,6 @@ def import_checkpoint(src: "str | os.PathLike[str]", dest: "str | os.PathLike[st
         if source_meta:
             meta["source_metadata"] = source_meta
         meta.update(metadata or {})
-        info = safeckpt_save(state, dest, overwrite=overwrite, metadata=meta, storage_options=storage_options)
+        info = safeckpt_save(state, dest, overwrite=overwrite, metadata=meta,
+                             storage_options=_options_for(dest, storage_options))
     return info, fmt
-
-
-@dataclass
-class _Unused:  # keeps dataclasses' field import used for readers of this module
-    items: list = field(default_factory=list)
-
-
-del _Unused

@@ -17,6 +17,7 @@ from typing import Any
 from . import codec
 from .checksum import ALGORITHM, BLOCK_SIZE, checksum, is_checksum
 from .errors import CorruptCheckpointError, UnsupportedFormatError
+from .plan import PlanError, check_coverage
 from .tensors import dtype_from_name, nbytes_of
 
 FORMAT_VERSION = 1
@@ -222,9 +223,13 @@ def _decode_body(body: dict, where: str) -> Manifest:
         dtype = dtype_from_name(t["dtype"], f"{where}: tensor {name!r}")
         _need(_int_list(t["shape"]), where, f"tensor {name!r}: bad shape {t['shape']!r}")
         chunks = [_decode_chunk(c, name, t, dtype, files, block, where) for c in t["chunks"]]
-        covered = sum(nbytes_of(c.shape, dtype) for c in chunks)
-        _need(covered == nbytes_of(t["shape"], dtype), where,
-              f"tensor {name!r}: its chunks cover {covered} of {nbytes_of(t['shape'], dtype)} bytes")
+        if len(chunks) == 1:
+            _need(chunks[0].shape == t["shape"], where, f"tensor {name!r}: its chunk does not cover it")
+        else:
+            try:
+                check_coverage(name, tuple(t["shape"]), [(tuple(c.offsets), tuple(c.shape)) for c in chunks])
+            except PlanError as exc:
+                raise CorruptCheckpointError(f"{where}: {exc}") from exc
         tensors[name] = TensorEntry(t["dtype"], t["shape"], chunks)
     step, world, run_id = body.get("step"), body["world_size"], body.get("run_id")
     _need(run_id is None or isinstance(run_id, str), where, f"bad run_id {run_id!r}")

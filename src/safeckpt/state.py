@@ -276,6 +276,7 @@ class LoadPlanner:
             if problem:
                 self.problems.append(problem)
                 return lambda: target
+            self._shape_like_params(target, current, node, key)
         inner = self.plan(current, node, key, "state" if is_module else "object")
 
         def build() -> Any:
@@ -291,6 +292,27 @@ class LoadPlanner:
                     f"checkpoint's state: {exc}") from exc
             return target
         return build
+
+
+    def _shape_like_params(self, optimizer: Any, current: dict, node: Any, key: str) -> None:
+        """State the optimizer does not have yet (a fresh optimizer) is read into tensors
+        laid out like its parameters when those are DTensors, so sharded (FSDP2)
+        optimizer state comes back sharded instead of as full tensors."""
+        groups = zip(current["param_groups"], optimizer.param_groups)
+        params = {i: p for saved, live in groups for i, p in zip(saved["params"], live["params"])}
+        saved_state = dict(codec.items_of(node, key, self.allow_pickle)).get("state")
+        if saved_state is None or codec.tag_of(saved_state) not in ("object", "$dict"):
+            return
+        for index, per_param in codec.items_of(saved_state, key, self.allow_pickle):
+            param = params.get(index)
+            if not is_dtensor(param) or index in current["state"] or codec.tag_of(per_param) not in ("object", "$dict"):
+                continue
+            hints = {}
+            for name, ref in codec.items_of(per_param, key, self.allow_pickle):
+                entry = self.tensors.get(ref["$tensor"]) if codec.tag_of(ref) == "$tensor" else None
+                if entry is not None and entry.shape == list(param.shape):
+                    hints[name] = torch.zeros_like(param, dtype=dtype_from_name(entry.dtype, key))
+            current["state"][index] = hints
 
 
 def _group_sizes(groups: Any) -> list[int]:

@@ -1,0 +1,105 @@
+"""The ``safeckpt`` command: list, inspect, verify, clean up, export, import and diff
+checkpoints on any storage URL.
+
+Every command takes ``-o/--storage-option KEY=VALUE`` (repeatable) and reads
+``$SAFECKPT_STORAGE_OPTIONS`` (a JSON object) for endpoints and credentials. Bad
+input is one line on stderr (``safeckpt: error: ...``) and exit status 2; ``verify``
+and ``diff`` exit 1 for what they find. ``--debug`` (or ``$SAFECKPT_DEBUG=1``) shows
+the traceback instead. See docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import click
+
+from .._version import __version__
+from ._common import CliError, debug, set_debug
+
+__all__ = ["cli", "main"]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, "--version", prog_name="safeckpt", message="%(prog)s %(version)s")
+@click.option("--debug", is_flag=True, help="show the traceback of an error (also $SAFECKPT_DEBUG=1)")
+def cli(debug: bool) -> None:
+    """Crash-safe checkpoints for PyTorch: list, inspect, verify, clean up, export,
+    import and compare them, on a local path or any storage URL (s3://, gs://, ...)."""
+    set_debug(debug)
+
+
+def _register() -> None:
+    from . import check, convert, diff, listing
+
+    for module in (listing, check, convert, diff):
+        for command in module.COMMANDS:
+            cli.add_command(command)
+
+
+_register()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return "; ".join(lines)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+    print(f"safeckpt: warning: {_one_line(message) if isinstance(message, Warning) else message}",
+          file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 1 findings, 2 errors)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in args:
+        set_debug(True)
+    warnings.showwarning = _show_warning
+    try:
+        status = cli.main(args=args, prog_name="safeckpt", standalone_mode=False)
+        return status if isinstance(status, int) else 0
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.Abort:
+        print("safeckpt: aborted", file=sys.stderr)
+        return 130
+    except CliError as exc:
+        if debug():
+            raise
+        print(f"safeckpt: error: {_one_line(exc.format_message())}", file=sys.stderr)
+        return exc.exit_code
+    except click.UsageError as exc:
+        command = exc.ctx.command_path if exc.ctx is not None else "safeckpt"
+        print(f"safeckpt: error: {_one_line(exc.format_message()).rstrip('.')} (see '{command} --help')",
+              file=sys.stderr)
+        return 2
+    except click.ClickException as exc:
+        print(f"safeckpt: error: {_one_line(exc.format_message())}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        if debug():
+            raise
+        print("safeckpt: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `safeckpt ls ... | head`
+        return 0
+    except Exception as exc:  # noqa: BLE001 - one clear line, never a traceback
+        if debug():
+            raise
+        print(f"safeckpt: error: {_describe(exc)}", file=sys.stderr)
+        return 2
+
+
+def _describe(exc: BaseException) -> str:
+    from ..errors import CheckpointError
+
+    if isinstance(exc, (CheckpointError, OSError)):
+        return _one_line(exc)
+    return f"{type(exc).__name__}: {_one_line(exc)} (run with --debug for the traceback)"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""What every ``safeckpt`` command shares: storage options, output, and reading the
+things a command is pointed at (a checkpoint, or a run root of ``step-*`` folders)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import click
+
+from .. import codec
+from ..errors import CheckpointError, CheckpointNotFoundError, UnsafeObjectError
+from ..garbage import STEP_RE
+from ..export import plain_values as leaf_values
+from ..manifest import manifest_seq
+from ..storage import Storage
+from ..storage import open as open_storage
+
+ENV_OPTIONS = "SAFECKPT_STORAGE_OPTIONS"
+
+
+class CliError(click.ClickException):
+    """Bad input found by a command itself: printed as one line, exit 2."""
+
+    exit_code = 2
+
+
+# --------------------------------------------------------------------------- storage options
+
+
+def _value(text: str) -> Any:
+    """``true``/``false``/``null``, numbers and JSON objects/arrays are parsed; anything
+    else stays a string (quote a string that looks like JSON: ``key='"123"'``)."""
+    stripped = text.strip()
+    if stripped in ("true", "false", "null") or stripped[:1] in ("{", "[", '"'):
+        try:
+            return json.loads(stripped)
+        except ValueError:
+            return text
+    try:
+        return int(stripped)
+    except ValueError:
+        pass
+    try:
+        value = float(stripped)
+        return value if math.isfinite(value) else text
+    except ValueError:
+        return text
+
+
+def storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """``$SAFECKPT_STORAGE_OPTIONS`` (a JSON object), then each ``KEY=VALUE`` on top;
+    a dotted key sets a nested option (``client_kwargs.region_name=eu-west-1``)."""
+    options: dict[str, Any] = {}
+    env = os.environ.get(ENV_OPTIONS, "").strip()
+    if env:
+        try:
+            options = json.loads(env)
+        except ValueError as exc:
+            raise CliError(f"${ENV_OPTIONS} is not valid JSON ({exc})") from exc
+        if not isinstance(options, dict):
+            raise CliError(f"${ENV_OPTIONS} must be a JSON object, like "
+                           '\'{"endpoint_url": "http://127.0.0.1:9000"}\'')
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise click.UsageError(f"--storage-option takes KEY=VALUE, not {pair!r}")
+        *parents, leaf = key.strip().split(".")
+        node = options
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise click.UsageError(f"--storage-option {key}: {part} is not a nested option")
+        node[leaf] = _value(text)
+    return options
+
+
+def is_url(path: str) -> bool:
+    """A storage URL (``s3://``, ``gs://``, ``memory://``...), not a local path."""
+    return "://" in path and not path.startswith("file://")
+
+
+def options_for(path: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Storage options go to URLs only: a local path in the same command (``export
+    s3://... ./out``) takes none."""
+    return options if is_url(path) else {}
+
+
+def storage_option_flag(fn: Callable) -> Callable:
+    """``-o/--storage-option KEY=VALUE`` (repeatable) and ``--debug`` on a command."""
+    fn = click.option("--debug", is_flag=True, hidden=True, expose_value=False,
+                      callback=lambda ctx, p, v: set_debug(v) if v else None)(fn)
+    return click.option(
+        "-o", "--storage-option", "storage_option", multiple=True, metavar="KEY=VALUE",
+        help=f"an option for the storage backend, e.g. endpoint_url=http://127.0.0.1:9000, key=..., "
+             f"secret=... (repeatable; also ${ENV_OPTIONS} as a JSON object)")(fn)
+
+
+_DEBUG = {"on": bool(os.environ.get("SAFECKPT_DEBUG"))}
+
+
+def set_debug(on: bool) -> None:
+    _DEBUG["on"] = _DEBUG["on"] or on
+
+
+def debug() -> bool:
+    return _DEBUG["on"]
+
+
+# --------------------------------------------------------------------------- output
+
+
+class _Plain:
+    """Where output is not a terminal: render with rich, then strip the padding rich
+    adds at the end of each line (clean for files, pipes and copy-paste)."""
+
+    def __init__(self, console: Any) -> None:
+        self._console = console
+        self.is_terminal = False
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        with self._console.capture() as cap:
+            self._console.print(*objects, **kwargs)
+        self._console.file.write("\n".join(line.rstrip() for line in cap.get().split("\n")))
+        self._console.file.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._console, name)
+
+
+def console(stderr: bool = False) -> Any:
+    """A rich console: no markup (names may contain brackets), no highlighting; wide
+    when not a terminal, so piped tables are not squeezed to 80 columns."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    if stream.isatty():
+        return Console(file=stream, markup=False, highlight=False, emoji=False)
+    width = int(os.environ.get("COLUMNS", "0") or 0) or 200
+    return _Plain(Console(file=stream, markup=False, highlight=False, emoji=False, width=width))
+
+
+def progress_console() -> Any:
+    """The console for progress bars: stderr, disabled by the caller when not a terminal."""
+    from rich.console import Console
+
+    return Console(file=sys.stderr, markup=False, highlight=False, emoji=False)
+
+
+def table(*columns: str, right: tuple[str, ...] = (), title: str | None = None):
+    """A plain table (copy-pastes cleanly)."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left", pad_edge=False,
+              show_edge=False, title_style="bold")
+    for c in columns:
+        t.add_column(c, justify="right" if c in right else "left", overflow="fold")
+    return t
+
+
+def text(value: Any):
+    from rich.text import Text
+
+    return Text(str(value))
+
+
+def say(out: Any, line: str) -> None:
+    """Print one line of text as it is (never wrapped or interpreted)."""
+    out.print(text(line), soft_wrap=True)
+
+
+def print_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str, allow_nan=False))
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def when(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return _dt.datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def compact(value: Any, limit: int = 80) -> str:
+    """A one-line, bounded repr."""
+    if isinstance(value, float):
+        out = f"{value:.6g}"
+    elif isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        out = ", ".join(f"{k}={compact(v, limit)}" for k, v in value.items()) if value else "{}"
+    else:
+        out = repr(value)
+    out = " ".join(out.split())
+    return out if len(out) <= limit else out[:limit - 3] + "..."
+
+
+def jsonable(value: Any) -> Any:
+    """A decoded value as JSON: plain types as they are, anything else as its repr."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, list):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: jsonable(v) for k, v in value.items()}
+    return repr(value)
+
+
+# --------------------------------------------------------------------------- the tree
+
+
+PICKLED = "<pickled object: not decoded>"
+
+
+def decode(node: Any, key: str) -> Any:
+    """Decode an encoded value for display; pickled values are never unpickled."""
+    try:
+        return codec.decode_value(node, key, allow_pickle=False)
+    except UnsafeObjectError:
+        return PICKLED
+    except CheckpointError as exc:
+        return f"<undecodable: {exc}>"
+
+
+# --------------------------------------------------------------------------- targets
+
+
+@dataclass
+class Place:
+    """What a path names: a checkpoint, or a run root with its step folders."""
+
+    storage: Storage
+    kind: str                     # "checkpoint" or "root"
+    steps: list[tuple[int, str]]  # (step, folder name) for a root
+
+
+def locate(path: str, options: dict[str, Any]) -> Place:
+    """Open ``path`` and tell a checkpoint folder from a run root; anything else (a
+    missing path, a folder with neither manifests nor step folders) is an error."""
+    storage = open_storage(path, **options_for(path, options))
+    listing = storage.listdir()
+    if any(manifest_seq(n) is not None for n, size in listing.items() if size is not None):
+        return Place(storage, "checkpoint", [])
+    steps = sorted((int(m.group(1)), name) for name, size in listing.items()
+                   if size is None and (m := STEP_RE.fullmatch(name)))
+    if steps:
+        return Place(storage, "root", steps)
+    if not listing:
+        if not is_url(path) and os.path.isfile(path.removeprefix("file://")):
+            raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: it is a file, not a checkpoint folder")
+        raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: the folder is empty or missing")
+    raise CheckpointNotFoundError(
+        f"no checkpoint at {storage.url}: it has no manifest and no step-NNNNNNNNN folders "
+        "(not a safeckpt checkpoint or run root, or a save that never committed)")

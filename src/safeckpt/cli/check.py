@@ -1,0 +1,229 @@
+"""``safeckpt verify`` (read every byte, check every checksum) and ``safeckpt gc``
+(remove what interrupted saves left)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import click
+
+from .. import garbage
+from ..checkpoint import read_committed
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..reader import TensorReader
+from ..storage import Storage
+from ._common import (say, progress_console, console, human_bytes, locate, print_json, storage_option_flag, storage_options,
+                      table, text)
+
+
+class _Counting(Storage):
+    """A storage that reports every byte read (for the progress bar); everything else
+    is the wrapped storage's."""
+
+    def __init__(self, inner: Storage, advance: Callable[[int], None]) -> None:
+        self.inner = inner
+        self.advance = advance
+        self.url = inner.url
+        self.atomic_write = inner.atomic_write
+        self.exclusive_create = inner.exclusive_create
+
+    def child(self, name: str) -> Storage:
+        return _Counting(self.inner.child(name), self.advance)
+
+    def write_file(self, name: str, parts: Iterable) -> int:
+        return self.inner.write_file(name, parts)
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        self.inner.read_into(name, offset, out)
+        self.advance(out.nbytes)
+
+    def listdir(self) -> dict[str, int | None]:
+        return self.inner.listdir()
+
+    def delete(self, names: Iterable[str]) -> None:
+        self.inner.delete(names)
+
+    def remove_folder(self) -> None:
+        self.inner.remove_folder()
+
+    def size(self, name: str) -> int:
+        return self.inner.size(name)
+
+
+@dataclass
+class Checked:
+    """The verdict on one checkpoint folder."""
+
+    path: str
+    status: str = "ok"          # ok, corrupt, incomplete
+    problems: list[str] = field(default_factory=list)
+    files: int = 0
+    bytes: int = 0              # bytes of the files found sound
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "status": self.status, "problems": self.problems, "files": self.files,
+                "bytes_checked": self.bytes}
+
+
+def _targets(paths: tuple[str, ...], options: dict) -> list[Storage]:
+    """Checkpoint folders named by ``paths``: a checkpoint, or every step folder of a root.
+    All are located first, so a bad path fails before anything is read."""
+    out: list[Storage] = []
+    for path in paths:
+        place = locate(path, options)
+        out += [place.storage] if place.kind == "checkpoint" else [place.storage.child(n) for _, n in place.steps]
+    return out
+
+
+def verify_all(storages: list[Storage], jobs: int, progress: Any = None) -> list[Checked]:
+    """Verify every checkpoint folder, all their files in parallel on ``jobs`` threads."""
+    results = [Checked(s.url) for s in storages]
+    work: list[tuple[Checked, Storage, Any, str, int]] = []
+    for result, storage in zip(results, storages):
+        try:
+            manifest = read_committed(storage)
+        except CheckpointNotFoundError as exc:
+            result.status, result.problems = "incomplete", [str(exc)]
+            continue
+        except CorruptCheckpointError as exc:
+            result.status, result.problems = "corrupt", [str(exc)]
+            continue
+        result.files = len(manifest.files)
+        work += [(result, storage, manifest, name, f.size) for name, f in manifest.files.items()]
+    total = sum(w[4] for w in work)
+    task = progress.add_task("verifying", total=total) if progress is not None else None
+
+    def advance(n: int) -> None:
+        if progress is not None:
+            progress.advance(task, n)
+
+    def check(storage: Storage, manifest: Any, name: str) -> list[str]:
+        reader = TensorReader(_Counting(storage, advance), manifest, verify=True)
+        try:
+            return reader.verify_file(name)
+        except CheckpointError as exc:  # unreadable (missing, I/O error): a finding, not a crash
+            return [str(exc)]
+
+    with ThreadPoolExecutor(max(1, jobs), thread_name_prefix="safeckpt-verify") as pool:
+        futures = {pool.submit(check, storage, manifest, name): (result, size)
+                   for result, storage, manifest, name, size in work}
+        for future in as_completed(futures):
+            result, size = futures[future]
+            problems = future.result()
+            if problems:
+                result.status = "corrupt"
+                result.problems += problems
+            else:
+                result.bytes += size
+    return results
+
+
+@click.command("verify")
+@click.argument("paths", nargs=-1, required=True, metavar="PATH...")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=8, show_default=True,
+              help="files read and checked at once")
+@click.option("--json", "as_json", is_flag=True, help="print the verdicts as JSON")
+@storage_option_flag
+def verify_command(paths: tuple[str, ...], jobs: int, as_json: bool, storage_option: tuple[str, ...]) -> int:
+    """Read every byte of checkpoints and check every checksum.
+
+    PATH is a checkpoint folder or a run root (then every step folder is checked).
+    Exits 0 when all are sound, 1 when any problem is found (each printed with its file
+    and tensor). A step folder without a manifest (an interrupted save) is reported but
+    is not a failure."""
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    storages = _targets(paths, storage_options(storage_option))
+    err = progress_console()
+    started = time.monotonic()
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=err, transient=True, disable=not err.is_terminal) as progress:
+        results = verify_all(storages, jobs, progress)
+    seconds = time.monotonic() - started
+    if as_json:
+        print_json([r.as_dict() for r in results])
+    else:
+        out = console()
+        for r in results:
+            if r.status == "ok":
+                say(out, f"ok          {r.path}  ({r.files} file(s), {human_bytes(r.bytes)})")
+            elif r.status == "incomplete":
+                say(out, f"incomplete  {r.path}  (no manifest: a save that never committed; "
+                               "'safeckpt gc' removes its files)")
+            else:
+                say(out, f"CORRUPT     {r.path}")
+                for p in r.problems:
+                    say(out, f"  - {p}")
+        counts = {s: sum(r.status == s for r in results) for s in ("ok", "corrupt", "incomplete")}
+        say(out, f"checked {len(results)} checkpoint(s), {human_bytes(sum(r.bytes for r in results))} "
+                       f"in {seconds:.1f}s: {counts['ok']} ok, {counts['corrupt']} corrupt"
+                       + (f", {counts['incomplete']} incomplete" if counts["incomplete"] else ""))
+    return 1 if any(r.status == "corrupt" for r in results) else 0
+
+
+def _sizes(root: Storage, names: list[str], single: bool) -> dict[str, int]:
+    """Sizes of ``folder/name`` entries (or plain names in a single checkpoint folder)."""
+    sizes: dict[str, int] = {}
+    folders: dict[str, list[str]] = {}
+    for n in names:
+        folder, _, base = n.rpartition("/") if not single else ("", "", n)
+        folders.setdefault(folder, []).append(base)
+    for folder, bases in folders.items():
+        listing = (root.child(folder) if folder else root).listdir()
+        for b in bases:
+            sizes[f"{folder}/{b}" if folder else b] = listing.get(b) or 0
+    return sizes
+
+
+@click.command("gc")
+@click.argument("root")
+@click.option("--dry-run", is_flag=True, help="only list what would be removed")
+@click.option("--min-age", type=click.FloatRange(min=0), default=3600.0, show_default=True, metavar="SECONDS",
+              help="spare saves younger than this (a live job may still be writing them); 0 spares none")
+@storage_option_flag
+def gc_command(root: str, dry_run: bool, min_age: float, storage_option: tuple[str, ...]) -> int:
+    """Remove what interrupted saves left behind: data files no committed checkpoint
+    needs and manifests that lost, in the step folders of ROOT (or in one checkpoint
+    folder). Never a committed checkpoint, never a file safeckpt did not write, never a
+    save younger than --min-age. The same rules as CheckpointManager.gc."""
+    place = locate(root, storage_options(storage_option))
+    storage = place.storage
+    single = place.kind == "checkpoint"
+    if single:
+        manifests, data = garbage.garbage_in(storage, min_age_s=min_age)
+        doomed = manifests + data
+    else:
+        doomed = garbage.collect(storage, min_age_s=min_age, dry_run=True)
+    sizes = _sizes(storage, doomed, single)
+    aborted = 0
+    if not dry_run and doomed:
+        if single:
+            storage.delete(manifests)  # manifests first, data after
+            storage.delete(data)
+        else:
+            doomed = garbage.collect(storage, min_age_s=min_age, dry_run=False)
+    if not dry_run and hasattr(storage, "abort_stale_uploads"):
+        aborted = storage.abort_stale_uploads(older_than=min_age)
+    out = console()
+    total = sum(sizes.get(n, 0) for n in doomed)
+    if not doomed:
+        say(out, f"nothing to remove in {storage.url}"
+                       + (f" (saves younger than {min_age:g}s are spared; see --min-age)" if min_age else ""))
+    else:
+        t = table("file", "size", right=("size",))
+        for n in doomed:
+            t.add_row(text(n), text(human_bytes(sizes.get(n))))
+        out.print(t)
+        verb = "would remove" if dry_run else "removed"
+        say(out, f"{verb} {len(doomed)} file(s), {human_bytes(total)} in {storage.url}"
+                       + (" (dry run: nothing changed)" if dry_run else ""))
+    if aborted:
+        say(out, f"aborted {aborted} stale multipart upload(s)")
+    return 0
+
+
+COMMANDS = [verify_command, gc_command]

@@ -1,0 +1,107 @@
+"""``safeckpt export`` (to safetensors / torch files) and ``safeckpt import`` (from
+torch.save, safetensors, Hugging Face and torch.distributed.checkpoint)."""
+
+from __future__ import annotations
+
+import click
+
+from ..errors import CheckpointExistsError
+from ..export import FORMATS, export_checkpoint, import_checkpoint
+from ._common import (options_for, say, progress_console, CliError, _value, console, human_bytes, locate, storage_option_flag, storage_options,
+                      table, text)
+
+
+@click.command("export")
+@click.argument("ckpt")
+@click.argument("out")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]), default="safetensors",
+              show_default=True, help="safetensors file(s), or torch.save file(s) of a flat name -> tensor dict")
+@click.option("--max-shard-size", metavar="SIZE",
+              help="split into files of at most SIZE (e.g. 5GB, 500MiB) in the Hugging Face layout: "
+                   "model-00001-of-0000N.safetensors + model.safetensors.index.json; OUT is a folder")
+@click.option("--select", metavar="PREFIX", help="only tensors whose name starts with PREFIX, e.g. model.")
+@click.option("--strip-prefix", is_flag=True, help="remove the --select PREFIX from the exported names")
+@click.option("--overwrite", is_flag=True, help="replace existing output files")
+@click.option("--no-verify", is_flag=True, help="skip checking the checksums of what is read")
+@storage_option_flag
+def export_command(ckpt: str, out: str, fmt: str, max_shard_size: str | None, select: str | None,
+                   strip_prefix: bool, overwrite: bool, no_verify: bool, storage_option: tuple[str, ...]) -> int:
+    """Consolidate a (sharded) checkpoint into standard files that other tools load.
+
+    OUT ending in .safetensors (or .pt/.bin for --format torch) is one file; anything
+    else is a folder (model.safetensors or pytorch_model.bin in it, or the sharded
+    layout with --max-shard-size). Full tensors are assembled from the checkpoint's
+    chunks and streamed out a batch at a time: with --max-shard-size (and always for
+    safetensors) the whole model is never in memory. Non-tensor values are not exported."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    options = storage_options(storage_option)
+    place = locate(ckpt, options)
+    if place.kind == "root":
+        raise CliError(f"{place.storage.url} is a run root, not one checkpoint; export one of its "
+                       f"checkpoints, e.g. {place.storage.child(place.steps[-1][1]).url}")
+    err = progress_console()
+    with Progress(TextColumn("exporting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  console=err, transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task("export", total=None)
+        result = export_checkpoint(place.storage, out, format=fmt, max_shard_size=max_shard_size,
+                                   select=select, strip_prefix=strip_prefix,
+                                   out_storage_options=options_for(out, options),
+                                   overwrite=overwrite, verify=not no_verify,
+                                   on_tensor=lambda name, n: progress.advance(task, n))
+    o = console()
+    t = table("file", "tensors", "size", right=("tensors", "size"))
+    for f in result.files:
+        t.add_row(text(f"{result.folder}/{f.name}"), text(f.tensors), text(human_bytes(f.bytes)))
+    if result.index:
+        t.add_row(text(f"{result.folder}/{result.index}"), text("-"), text("index"))
+    o.print(t)
+    say(o, f"exported {result.tensors} tensor(s), {human_bytes(result.bytes)} of data, "
+                 f"as {len(result.files)} {fmt} file(s)"
+                 + (f"; {result.skipped_values} non-tensor value(s) left out" if result.skipped_values else ""))
+    return 0
+
+
+def _metadata(pairs: tuple[str, ...]) -> dict:
+    meta = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.UsageError(f"--metadata takes KEY=VALUE, not {pair!r}")
+        meta[key] = _value(value)
+    return meta
+
+
+@click.command("import")
+@click.argument("src")
+@click.argument("dest")
+@click.option("--format", "fmt", type=click.Choice(["auto", *FORMATS]), default="auto", show_default=True,
+              help="what SRC is: a torch.save file, a .safetensors file, a Hugging Face folder (hf) "
+                   "or a torch.distributed.checkpoint folder (dcp)")
+@click.option("--under", metavar="KEY", help="nest the imported state under KEY (e.g. model: tensors "
+                                              "become model.<name>)")
+@click.option("--metadata", "metadata", multiple=True, metavar="KEY=VALUE", help="metadata to record (repeatable)")
+@click.option("--overwrite", is_flag=True, help="replace a checkpoint already committed at DEST")
+@storage_option_flag
+def import_command(src: str, dest: str, fmt: str, under: str | None, metadata: tuple[str, ...],
+                   overwrite: bool, storage_option: tuple[str, ...]) -> int:
+    """Bring a checkpoint of another tool in as a safeckpt checkpoint at DEST.
+
+    SRC is a torch.save file (read with weights_only=True: nothing in it can run), a
+    .safetensors file, a Hugging Face folder (model.safetensors.index.json and its
+    shards, or one model.safetensors / pytorch_model.bin), or a
+    torch.distributed.checkpoint folder; local or a URL."""
+    options = storage_options(storage_option)
+    try:
+        info, detected = import_checkpoint(src, dest, format=None if fmt == "auto" else fmt, under=under,
+                                           overwrite=overwrite, metadata=_metadata(metadata),
+                                           storage_options=options_for(dest, options),
+                                           src_storage_options=options_for(src, options))
+    except CheckpointExistsError as exc:
+        raise CliError(f"{exc} (here: --overwrite)") from exc
+    say(console(), f"imported {src} ({detected}) as {info.path}: {human_bytes(info.bytes)} in "
+                         f"{len(info.files)} file(s), save id {info.save_id}")
+    return 0
+
+
+COMMANDS = [export_command, import_command]

@@ -1,0 +1,159 @@
+"""``safeckpt ls`` and ``safeckpt show``: what is in a run root, what is in a checkpoint."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Any
+
+import click
+
+from ..checkpoint import read_committed
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..manager import CheckpointManager, step_folder
+from ..manifest import Manifest
+from ..storage import Storage
+from ..tensors import dtype_from_name, nbytes_of
+from ._common import (say, CliError, compact, console, decode, human_bytes, jsonable, leaf_values, locate,
+                      print_json, storage_option_flag, storage_options, table, text, when)
+
+STATUS = {"ok": "committed", "damaged": "corrupt", "incomplete": "incomplete"}
+STATUS_TEXT = {"committed": "committed", "corrupt": "CORRUPT", "incomplete": "incomplete save"}
+
+
+def _row(storage: Storage, step: int | None, status: str, found: Manifest | str) -> dict[str, Any]:
+    """One checkpoint folder as a plain record (the ``--json`` row)."""
+    row: dict[str, Any] = {"step": step, "path": storage.url, "status": status}
+    if isinstance(found, Manifest):
+        m = found
+        row.update(step=m.step if step is None else step, bytes=m.total_bytes, created=m.created,
+                   time=_dt.datetime.fromtimestamp(m.created, _dt.timezone.utc).isoformat(),
+                   world_size=m.world_size, metrics=jsonable(m.metrics), metadata=jsonable(m.metadata),
+                   save_id=m.save_id, files=len(m.files), tensors=len(m.tensors), problem=None)
+    else:
+        listing = storage.listdir()
+        row.update(bytes=sum(s for s in listing.values() if s is not None), created=None, time=None,
+                   world_size=None, metrics={}, metadata={}, save_id=None,
+                   files=sum(1 for s in listing.values() if s is not None), tensors=None, problem=found)
+    return row
+
+
+def _rows(path: str, options: dict) -> list[dict[str, Any]]:
+    place = locate(path, options)
+    if place.kind == "checkpoint":
+        try:
+            return [_row(place.storage, None, "committed", read_committed(place.storage))]
+        except CheckpointNotFoundError as exc:
+            return [_row(place.storage, None, "incomplete", str(exc))]
+        except CorruptCheckpointError as exc:
+            return [_row(place.storage, None, "corrupt", str(exc))]
+    manager = CheckpointManager(place.storage)  # its listing and validity rules, nothing written
+    rows = []
+    for step in manager._step_folders():
+        status, found = manager._read(step)
+        rows.append(_row(place.storage.child(step_folder(step)), step, STATUS[status], found))
+    return rows
+
+
+@click.command("ls")
+@click.argument("root")
+@click.option("--json", "as_json", is_flag=True, help="print a JSON list (step, path, status, bytes, metrics, ...)")
+@storage_option_flag
+def ls_command(root: str, as_json: bool, storage_option: tuple[str, ...]) -> int:
+    """List the checkpoints of a run root (its step-NNNNNNNNN folders): step, time,
+    size, world size, metrics and status (committed, CORRUPT, incomplete save).
+
+    ROOT is a local path or a URL such as s3://bucket/run; a single checkpoint folder
+    lists as one row."""
+    rows = _rows(root, storage_options(storage_option))
+    if as_json:
+        print_json(rows)
+        return 0
+    out = console()
+    t = table("step", "time", "size", "world", "metrics", "status", right=("step", "size", "world"))
+    for r in rows:
+        t.add_row(text("-" if r["step"] is None else r["step"]), text(when(r["created"])),
+                  text(human_bytes(r["bytes"])), text(r["world_size"] or "-"),
+                  text(compact(r["metrics"]) if r["metrics"] else "-"), text(STATUS_TEXT[r["status"]]))
+    out.print(t)
+    committed = sum(r["status"] == "committed" for r in rows)
+    out.print(f"{len(rows)} checkpoint folder(s) in {root}: {committed} committed"
+              + "".join(f", {n} {s}" for s in ("corrupt", "incomplete")
+                        if (n := sum(r["status"] == s for r in rows))))
+    for r in rows:
+        if r["status"] == "corrupt":
+            say(out, f"  step {r['step']}: {r['problem']}")
+    return 0
+
+
+def _shape(shape: list[int]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+def describe_checkpoint(storage: Storage, m: Manifest, select: str | None) -> dict[str, Any]:
+    """A checkpoint as a plain record (the ``--json`` of ``show``)."""
+    tensors = []
+    for name, e in m.tensors.items():
+        if select and not name.startswith(select):
+            continue
+        tensors.append({"name": name, "dtype": e.dtype, "shape": list(e.shape), "chunks": len(e.chunks),
+                        "bytes": nbytes_of(e.shape, dtype_from_name(e.dtype, name))})
+    values = {k: jsonable(decode(v, k)) for k, v in leaf_values(m.tree).items()
+              if not select or k.startswith(select)}
+    return {"path": storage.url, "step": m.step, "save_id": m.save_id, "seq": m.seq,
+            "format_version": m.version, "created": m.created,
+            "time": _dt.datetime.fromtimestamp(m.created, _dt.timezone.utc).isoformat(),
+            "world_size": m.world_size, "bytes": m.total_bytes,
+            "files": [{"name": f.name, "bytes": f.size, "rank": f.rank} for f in m.files.values()],
+            "tensors": tensors, "values": values, "metadata": jsonable(m.metadata),
+            "metrics": jsonable(m.metrics)}
+
+
+@click.command("show")
+@click.argument("ckpt")
+@click.option("--json", "as_json", is_flag=True, help="print the description as JSON")
+@click.option("--select", metavar="PREFIX", help="only tensors and values whose name starts with PREFIX")
+@storage_option_flag
+def show_command(ckpt: str, as_json: bool, select: str | None, storage_option: tuple[str, ...]) -> int:
+    """Show what a checkpoint holds: its tensors (name, dtype, global shape, number of
+    chunks, bytes), its other values, metadata and metrics.
+
+    CKPT is a checkpoint folder (local path or URL), e.g. run/step-000000100."""
+    place = locate(ckpt, storage_options(storage_option))
+    if place.kind == "root":
+        step, name = place.steps[-1]
+        raise CliError(f"{place.storage.url} is a run root of {len(place.steps)} checkpoint(s), not one "
+                       f"checkpoint; show one of them, e.g. {place.storage.child(name).url}")
+    m = read_committed(place.storage)
+    info = describe_checkpoint(place.storage, m, select)
+    if as_json:
+        print_json(info)
+        return 0
+    out = console()
+    head = table("", "")
+    head.show_header = False
+    for key, value in [("checkpoint", info["path"]), ("step", "-" if m.step is None else m.step),
+                       ("created", when(m.created)), ("world size", m.world_size),
+                       ("save id", f"{m.save_id} (manifest {m.seq}, format {m.version})"),
+                       ("files", f"{len(m.files)}, {human_bytes(m.total_bytes)}"),
+                       ("metadata", compact(info["metadata"], 200) if m.metadata else "-"),
+                       ("metrics", compact(info["metrics"], 200) if m.metrics else "-")]:
+        head.add_row(text(key), text(value))
+    out.print(head)
+    t = table("tensor", "dtype", "shape", "chunks", "size", right=("chunks", "size"),
+              title=f"{len(info['tensors'])} tensor(s), {human_bytes(sum(x['bytes'] for x in info['tensors']))}")
+    for x in info["tensors"]:
+        t.add_row(text(x["name"]), text(x["dtype"]), text(_shape(x["shape"])), text(x["chunks"]),
+                  text(human_bytes(x["bytes"])))
+    out.print()
+    out.print(t)
+    if info["values"]:
+        v = table("value", "content", title=f"{len(info['values'])} other value(s)")
+        for k, node in leaf_values(m.tree).items():
+            if not select or k.startswith(select):
+                v.add_row(text(k), text(compact(decode(node, k), 100)))
+        out.print()
+        out.print(v)
+    return 0
+
+
+COMMANDS = [ls_command, show_command]

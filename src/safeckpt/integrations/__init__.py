@@ -1,0 +1,13 @@
+"""Drop-ins for the trainers people use; each module imports its own trainer library.
+
+- ``safeckpt.integrations.transformers``: ``SafeCheckpointCallback``, ``last_checkpoint``,
+  ``SafeTrainer`` / ``SafeTrainerMixin`` for the Hugging Face ``Trainer``
+  (``pip install 'safeckpt[hf]'``).
+- ``safeckpt.integrations.accelerate``: ``save_state`` / ``load_state`` for an
+  ``accelerate.Accelerator`` through a ``CheckpointManager``.
+- ``safeckpt.integrations.lightning``: ``SafeCheckpointIO`` for PyTorch Lightning
+  (``pip install 'safeckpt[lightning]'``).
+
+Nothing is imported here, so ``import safeckpt.integrations`` never pulls in a trainer.
+See docs/integrations.md.
+"""

@@ -1,0 +1,177 @@
+"""Crash-safe ``save_state`` / ``load_state`` for Hugging Face Accelerate.
+
+    from safeckpt.integrations.accelerate import load_state, save_state
+
+    start = load_state(accelerator, "runs/exp1") or 0      # newest valid step, or None
+    for step in range(start + 1, steps + 1):
+        ...
+        if step % 100 == 0:
+            save_state(accelerator, "runs/exp1", step, keep_last=3)
+
+Everything ``accelerator.prepare`` and ``register_for_checkpointing`` know about is
+saved as one safeckpt checkpoint per step under a ``CheckpointManager`` root (any URL
+safeckpt opens): the prepared models (unwrapped, so the names do not depend on DDP),
+optimizers, schedulers, the gradient scaler, registered custom objects, stateful
+dataloaders, ``accelerator.step`` and each process's Python, NumPy and torch RNG
+states. Unlike ``Accelerator.save_state(total_limit=...)``, which deletes old
+checkpoints *before* writing the new one, retention runs only after the new one is
+committed, and restoring falls back past a torn or corrupt newest checkpoint.
+
+Every process calls both functions (they are collective under torch.distributed).
+One ``CheckpointManager`` is kept per accelerator and root; the retention options
+(``keep_last``, ``keep_best``, ``best_metric``, ``keep_every``, ``async_save``...) apply
+when it is created, by the first call, or pass your own manager as ``root``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+try:
+    import accelerate
+    from accelerate.utils import DistributedType
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("safeckpt.integrations.accelerate needs accelerate: "
+                      "pip install 'safeckpt[hf]'") from exc
+
+from ..asyncsave import SaveFuture
+from ..checkpoint import CheckpointInfo
+from ..manager import CheckpointManager
+from ..retention import Retention
+from ..shards import RankLocal
+from ..storage import Storage
+
+__all__ = ["save_state", "load_state", "checkpoint_manager", "rng_states", "set_rng_states"]
+
+_MANAGERS: "weakref.WeakKeyDictionary[Any, dict[str, CheckpointManager]]" = weakref.WeakKeyDictionary()
+_UNSUPPORTED = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.FSDP: "FSDP",
+                DistributedType.MEGATRON_LM: "Megatron-LM", DistributedType.XLA: "torch_xla"}
+
+
+_RETENTION = ("keep_last", "keep_best", "best_metric", "best_mode", "keep_every")
+
+
+def checkpoint_manager(accelerator: Any, root: "str | os.PathLike[str] | Storage | CheckpointManager",
+                       **options: Any) -> CheckpointManager:
+    """The ``CheckpointManager`` this accelerator uses for ``root``, created on first use
+    with ``options`` (a manager passed as ``root`` is used as it is). Later calls may
+    change the retention options (``keep_last``, ``keep_best``, ``best_metric``,
+    ``best_mode``, ``keep_every``), so ``load_state(acc, root)`` followed by
+    ``save_state(acc, root, step, keep_last=3)`` keeps 3; other options only apply
+    when the manager is created."""
+    if isinstance(root, CheckpointManager):
+        return root
+    if isinstance(root, Storage):
+        key = root.url
+    else:
+        text = os.fspath(root)
+        key = text if "://" in text else os.path.abspath(text)
+    managers = _MANAGERS.setdefault(accelerator, {})
+    mgr = managers.get(key)
+    if mgr is None or mgr._closed:
+        mgr = managers[key] = CheckpointManager(root, **options)
+        return mgr
+    retention = {k: v for k, v in options.items() if k in _RETENTION}
+    if retention:
+        current = {k: getattr(mgr.retention, k) for k in _RETENTION}
+        if any(current[k] != v for k, v in retention.items()):
+            mgr.retention = Retention(**{**current, **retention})
+    others = sorted(k for k in options if k not in _RETENTION)
+    if others:
+        warnings.warn(f"options {others} ignored: this accelerator already has a checkpoint manager "
+                      f"for {key} (they apply when it is created)", stacklevel=3)
+    return mgr
+
+
+def rng_states() -> dict:
+    """This process's Python, NumPy and torch (CPU, and CUDA where present) generator
+    states; reading them does not advance any generator."""
+    out = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_states(states: dict) -> None:
+    """Inverse of ``rng_states``."""
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        if len(states["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states["cuda"])
+        else:
+            warnings.warn(f"the checkpoint holds CUDA RNG states for {len(states['cuda'])} devices, this "
+                          f"process sees {torch.cuda.device_count()}; CUDA RNG states not restored", stacklevel=3)
+
+
+def _check(accelerator: Any) -> None:
+    kind = _UNSUPPORTED.get(accelerator.distributed_type)
+    if kind is not None:
+        raise NotImplementedError(
+            f"safeckpt.integrations.accelerate does not support {kind} yet (the engine writes its own "
+            "checkpoints); use accelerator.save_state for it")
+
+
+def _unwrap(accelerator: Any, model: Any) -> Any:
+    try:
+        return accelerator.unwrap_model(model, keep_torch_compile=False)
+    except TypeError:  # older accelerate
+        return accelerator.unwrap_model(model)
+
+
+def _state(accelerator: Any, rng: Any) -> dict:
+    state = {
+        "models": [_unwrap(accelerator, m) for m in accelerator._models],
+        "optimizers": list(accelerator._optimizers),
+        "schedulers": list(accelerator._schedulers),
+        "custom_objects": list(accelerator._custom_objects),
+        "dataloaders": [dl for dl in accelerator._dataloaders if getattr(dl, "use_stateful_dataloader", False)],
+        "step": accelerator.step,
+        "rng": rng,
+    }
+    if accelerator.scaler is not None:
+        state["scaler"] = accelerator.scaler
+    return state
+
+
+def save_state(accelerator: Any, root: "str | os.PathLike[str] | Storage | CheckpointManager", step: int, *,
+               metrics: dict | None = None, metadata: dict | None = None,
+               **manager_options: Any) -> CheckpointInfo | SaveFuture:
+    """Save everything the accelerator tracks as the checkpoint of ``step`` under
+    ``root``; retention (``keep_last=`` ...) runs after the commit. Call it on every
+    process. Returns what ``CheckpointManager.save`` returns."""
+    _check(accelerator)
+    mgr = checkpoint_manager(accelerator, root, **manager_options)
+    meta = {"integration": "accelerate", "accelerate_version": accelerate.__version__, **(metadata or {})}
+    return mgr.save(step, _state(accelerator, RankLocal(rng_states())), metrics=metrics, metadata=meta)
+
+
+def load_state(accelerator: Any, root: "str | os.PathLike[str] | Storage | CheckpointManager",
+               step: int | None = None, *, strict: bool = True, **manager_options: Any) -> int | None:
+    """Restore the newest valid checkpoint under ``root`` (or ``step``) into everything
+    the accelerator tracks, RNG states and ``accelerator.step`` included. Returns the
+    step restored, or None when ``root`` holds no checkpoint (nothing is changed). Torn
+    or corrupt newer checkpoints are skipped with a warning. Call it on every process,
+    after ``accelerator.prepare`` and ``register_for_checkpointing``."""
+    _check(accelerator)
+    mgr = checkpoint_manager(accelerator, root, **manager_options)
+    rng = RankLocal(None)
+    state = _state(accelerator, rng)
+    restored = mgr.restore(state, step, strict=strict)
+    if restored is None:
+        return None
+    accelerator.step = state["step"]
+    if rng.value is not None:
+        set_rng_states(rng.value)
+    else:
+        warnings.warn(f"step {restored} under {mgr.storage.url}: RNG states not restored (saved by "
+                      "another number of processes?); reproducibility is not guaranteed", stacklevel=2)
+    return restored

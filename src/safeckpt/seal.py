@@ -1,0 +1,189 @@
+"""Sealing: turn a folder that another tool wrote into a committed safeckpt checkpoint.
+
+A Hugging Face Trainer writes ``checkpoint-N`` straight into its final folder with no
+commit marker, so a kill mid-save leaves a folder that looks like a checkpoint. ``seal``
+lists every file under the folder (recursively), checksums each whole file, and
+commits a manifest naming them, written last with an exclusive create. From then on
+the folder obeys the one invariant: it is a checkpoint exactly when it holds a valid
+manifest, ``verify`` reads every byte against the checksums, and deletion removes the
+manifest first.
+
+Sealing a folder that already holds a committed manifest writes one with a higher
+sequence number: files safeckpt wrote itself (its data files) keep their records and
+tensors, every other file is checksummed again, and the older manifests are retired
+afterwards. So a save through ``safeckpt.save`` followed by ``seal`` gives one
+checkpoint that covers both the tensors and the other tool's files.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+import xxhash
+
+from .checkpoint import CheckpointInfo, new_save_id, plain_values, retire
+from .checksum import ALGORITHM, BLOCK_SIZE
+from .commit import DATA_RE, read_existing
+from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from .manifest import FileEntry, Manifest, check_relpath, encode_manifest, encode_values, manifest_name, manifest_seq
+from .storage import Storage
+from .storage import open as open_storage
+from .storage.local import LocalStorage, fsync_folder
+
+__all__ = ["seal", "file_checksum"]
+
+_NO_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES, errno.EPERM, errno.EISDIR}
+
+
+def _list_files(storage: Storage, prefix: str = "") -> dict[str, int]:
+    """Every file under ``storage`` as ``relative/name -> size``, sub-folders included."""
+    out: dict[str, int] = {}
+    for name, size in sorted(storage.listdir().items()):
+        rel = f"{prefix}{name}"
+        if size is None:
+            out.update(_list_files(storage.child(name), rel + "/"))
+        else:
+            out[rel] = size
+    return out
+
+
+def file_checksum(storage: Storage, name: str, size: int, block_size: int = BLOCK_SIZE) -> str:
+    """The checksum of a whole file (``xxh3_64:<hex>``, the value ``verify`` compares),
+    read block by block so a file of any size needs one block of memory."""
+    h = xxhash.xxh3_64()
+    buf = memoryview(bytearray(min(block_size, size) or 1))
+    offset = 0
+    while offset < size:
+        n = min(len(buf), size - offset)
+        try:
+            storage.read_into(name, offset, buf[:n])
+        except EOFError as exc:
+            raise CorruptCheckpointError(
+                f"{storage.url}/{name} shrank while it was being sealed ({exc}); is another "
+                "process still writing into this folder?") from exc
+        h.update(buf[:n])
+        offset += n
+    return f"{ALGORITHM}:{h.hexdigest()}"
+
+
+def _make_durable(storage: Storage, names: list[str]) -> None:
+    """fsync the files (and their folders) the manifest will vouch for: the other tool
+    may not have. Object stores need nothing (a PUT is durable when it returns)."""
+    if not isinstance(storage, LocalStorage):
+        return
+    fs = storage.fs
+    folders = {storage.path}
+    for name in names:
+        path = os.path.join(storage.path, *name.split("/"))
+        folders.add(os.path.dirname(path))
+        try:
+            fd = fs.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise StorageError(f"cannot open {path} to seal it: {exc}") from exc
+        try:
+            fs.fsync(fd)
+        except OSError as exc:
+            if exc.errno not in _NO_FSYNC:  # e.g. Windows refuses fsync of a read-only handle
+                raise StorageError(f"cannot sync {path} before sealing it: {exc}") from exc
+        finally:
+            fs.close(fd)
+    for folder in sorted(folders, key=len, reverse=True):
+        try:
+            fsync_folder(folder, fs)
+        except OSError as exc:
+            raise StorageError(f"cannot sync folder {folder} before sealing it: {exc}") from exc
+
+
+def _foreign(name: str) -> bool:
+    """Files the seal checksums: everything except safeckpt's own manifests and data files."""
+    top = "/" not in name
+    return not (top and (manifest_seq(name) is not None or DATA_RE.fullmatch(name)))
+
+
+def seal(path: "str | os.PathLike[str] | Storage", *, storage_options: dict | None = None,
+         metadata: dict | None = None, step: int | None = None) -> CheckpointInfo:
+    """Commit every file under ``path`` as one checkpoint: checksum each whole file and
+    write a manifest naming them, last, with an exclusive create.
+
+    Where ``path`` already holds a committed checkpoint, the new manifest gets the next
+    sequence number and keeps that checkpoint's data files, tensors, values, metrics,
+    step and metadata (``metadata`` is merged into it, ``step`` replaces it when given);
+    older manifests are removed afterwards. Raises ``CheckpointNotFoundError`` for an empty or missing
+    folder, ``ValueError`` for a file name a manifest cannot hold, and
+    ``CheckpointExistsError`` when another process commits the same sequence first."""
+    started = time.perf_counter()
+    meta = plain_values(metadata, "metadata")
+    encode_values(meta, "metadata")
+    if step is not None and type(step) is not int:
+        raise TypeError(f"step must be an int or None, not {type(step).__name__}")
+    storage = open_storage(path, **(storage_options or {}))
+    existing, max_seq = read_existing(storage)
+    listing = _list_files(storage)
+    if not listing:
+        raise CheckpointNotFoundError(f"nothing to seal at {storage.url}: the folder is empty or missing")
+    names = sorted(n for n in listing if _foreign(n))
+    bad = []
+    for name in names:
+        try:
+            check_relpath(name, storage.url)
+        except CorruptCheckpointError:
+            bad.append(name)
+    if bad:
+        raise ValueError(
+            f"cannot seal {storage.url}: a manifest cannot name {bad} (hidden files, spaces or other "
+            "characters outside [A-Za-z0-9._+=@,-]); remove or rename them and seal again")
+
+    files: dict[str, FileEntry] = {}
+    if existing is not None:  # safeckpt's own data files keep their records (and tensors)
+        for f in existing.files.values():
+            if f.header_size is not None:
+                if listing.get(f.name) != f.size:
+                    raise CorruptCheckpointError(
+                        f"cannot seal {storage.url}: its committed manifest names {f.name} with "
+                        f"{f.size} bytes, the folder has {listing.get(f.name)}")
+                files[f.name] = f
+    _make_durable(storage, names)
+    for name in names:
+        files[name] = FileEntry(name, listing[name], checksum=file_checksum(storage, name, listing[name]))
+    after = {n: s for n, s in _list_files(storage).items() if n in files}
+    changed = sorted(n for n in files if after.get(n) != files[n].size)
+    if changed:
+        raise CorruptCheckpointError(
+            f"cannot seal {storage.url}: {changed} changed while being sealed; is another process "
+            "still writing into this folder?")
+
+    manifest = Manifest(
+        save_id=new_save_id(), seq=max_seq + 1, created=time.time(), world_size=1, files=files,
+        tensors=existing.tensors if existing is not None else {},
+        tree=existing.tree if existing is not None else None,
+        step=step if step is not None else (existing.step if existing is not None else None),
+        metadata={**(existing.metadata if existing is not None else {}), **meta},
+        metrics=existing.metrics if existing is not None else {},
+        block_size=existing.block_size if existing is not None else BLOCK_SIZE,
+        run_id=existing.run_id if existing is not None else None)
+    _write_manifest(storage, manifest)
+    try:
+        retire(storage, keep=manifest)
+    except OSError:
+        pass  # sealed; older manifests left behind are garbage, never a newer commit
+    return CheckpointInfo(path=storage.url, save_id=manifest.save_id, seq=manifest.seq, step=manifest.step,
+                          bytes=manifest.total_bytes, files=list(files), seconds=time.perf_counter() - started,
+                          world_size=1, metadata=manifest.metadata)
+
+
+def _write_manifest(storage: Storage, manifest: Manifest) -> None:
+    name = manifest_name(manifest.seq)
+    try:
+        storage.write_file(name, [encode_manifest(manifest)])
+    except FileExistsError as exc:
+        raise CheckpointExistsError(
+            f"another process committed {name} in {storage.url} while this one was sealing it; "
+            "two writers are using one checkpoint folder") from exc
+    except BaseException:
+        try:  # it may be complete on disk even though its fsync failed
+            storage.delete([name])
+        except OSError:
+            pass
+        raise
+

@@ -89,7 +89,7 @@ class AsyncSaver:
 
     @gc_paused
     def submit(self, state: dict, request: SaveRequest,
-               on_done: Callable[[CheckpointInfo], None] | None = None) -> SaveFuture:
+               on_done: Callable[[CheckpointInfo, float], None] | None = None) -> SaveFuture:
         """Snapshot ``state`` and start committing it; returns once the snapshot is taken."""
         started = time.perf_counter()
         self.wait()
@@ -111,16 +111,17 @@ class AsyncSaver:
         return future
 
     def _run(self, future: SaveFuture, request: SaveRequest, snapshot: Callable[[], FlatState],
-             started: float, on_done: Callable[[CheckpointInfo], None] | None) -> None:
+             started: float, on_done: Callable[[CheckpointInfo, float], None] | None) -> None:
         try:
             info = request.run(snapshot, started)
             if on_done is not None:
-                on_done(info)
+                on_done(info, future.blocked_seconds)
+            else:
+                log.info("async save committed %s: %d bytes in %.3fs (%.2f GB/s), caller blocked %.3fs",
+                         info.path, info.bytes, info.seconds, info.gbps, future.blocked_seconds)
         except BaseException as exc:  # delivered through the future, never dropped
             future.set_exception(exc)
             return
-        log.info("async save committed %s: %d bytes in %.3fs (%.2f GB/s), caller blocked %.3fs",
-                 info.path, info.bytes, info.seconds, info.gbps, future.blocked_seconds)
         future.set_result(info)
 
     def wait(self) -> CheckpointInfo | None:

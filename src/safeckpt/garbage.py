@@ -54,19 +54,31 @@ def garbage_in(folder: Storage, min_age_s: float | None = None,
     return manifests, sorted(data)
 
 
-def collect(root: Storage, *, min_age_s: float | None = None, dry_run: bool = False) -> list[str]:
+def collect(root: Storage, *, min_age_s: float | None = None, dry_run: bool = False,
+            incomplete: bool = True) -> list[str]:
     """Remove garbage under ``root`` (manifests first, then data, then empty folders);
-    return what was (or, with ``dry_run``, would be) removed, as ``folder/name``."""
+    return what was (or, with ``dry_run``, would be) removed, as ``folder/name``.
+
+    With ``incomplete=False`` only folders that hold a committed checkpoint are cleaned
+    (what a manager does by itself after each save): a folder with no manifest at all
+    could also be a checkpoint copied in without its manifest, so only an explicit
+    collection removes it. Incomplete multipart uploads older than ``min_age_s``
+    (default an hour) are aborted on object stores."""
     removed: list[str] = []
     now = time.time()
     for name, size in sorted(root.listdir().items()):
         if size is not None or not STEP_RE.fullmatch(name):
             continue
         folder = root.child(name)
+        if not incomplete and not any(manifest_seq(n) is not None for n in folder.listdir()):
+            continue
         manifests, data = garbage_in(folder, min_age_s, now)
         removed += [f"{name}/{n}" for n in manifests + data]
         if not dry_run and (manifests or data):
             folder.delete(manifests)
             folder.delete(data)
             folder.remove_folder()
+    abort_uploads = getattr(root, "abort_stale_uploads", None)
+    if abort_uploads is not None and not dry_run:
+        abort_uploads(older_than=3600.0 if min_age_s is None else min_age_s)
     return removed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from concurrent.futures import Future
 import threading
 import time
 import uuid
@@ -135,6 +136,7 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         if self._saver is not None:
             self._saver.wait()  # one save in flight; an unseen error surfaces here
+        self._on_rank0(self._check_lease)  # a second job fails here, before writing anything
         folder = self.storage.child(step_folder(step))
         group = background_group(self.process_group) if self._saver else self.group
         request = save_request(folder, metadata=metadata, metrics=metrics, step=step,
@@ -142,24 +144,31 @@ class CheckpointManager:
                                before_commit=self._check_lease)
         request.run_id = self.run_id
         if self._saver is not None:
-            return self._saver.submit(state, request, on_done=lambda info: self._after_save(info, folder))
+            future = self._saver.submit(state, request, on_done=self._after_save)
+            future.add_done_callback(lambda f: Future.exception(f) and self._remove_if_empty(folder))
+            return future
         try:
             info = request.run(request.flattener(state), _now())
         except BaseException:
-            if self.group.rank == 0:
-                _quietly(folder.remove_folder)  # only if the failed save left it empty
+            self._remove_if_empty(folder)
             raise
-        self._after_save(info, folder)
+        self._after_save(info)
         return info
 
-    def _after_save(self, info: CheckpointInfo, folder: Storage) -> None:
-        log.info("saved step %s: %d bytes in %.3fs (%.2f GB/s) to %s",
-                 info.step, info.bytes, info.seconds, info.gbps, info.path)
-        if self.group.rank != 0 and not isinstance(self.group, SingleGroup):
+    def _remove_if_empty(self, folder: Storage) -> None:
+        """After a failed save: drop its step folder if the save left it empty."""
+        if self.group.rank == 0:
+            _quietly(folder.remove_folder)
+
+    def _after_save(self, info: CheckpointInfo, blocked_seconds: float | None = None) -> None:
+        blocked = "" if blocked_seconds is None else f", caller blocked {blocked_seconds:.3f}s"
+        log.info("saved step %s: %d bytes in %.3fs (%.2f GB/s)%s to %s",
+                 info.step, info.bytes, info.seconds, info.gbps, blocked, info.path)
+        if self.group.rank != 0:
             return
         try:
             self._retain(just_saved=info.step)
-            self.gc()
+            garbage.collect(self.storage, incomplete=False)
         except OSError as exc:  # the save is committed; a failed cleanup is not its error
             warnings.warn(f"saved step {info.step}, but cleaning up older checkpoints failed: {exc}",
                           stacklevel=3)
@@ -191,6 +200,7 @@ class CheckpointManager:
 
     def delete(self, step: int) -> None:
         """Delete a checkpoint: manifests first (durably), then its data, then the folder."""
+        self._check_lease()
         folder = self.storage.child(step_folder(step))
         retire(folder, keep=None)
         folder.remove_folder()
@@ -202,6 +212,7 @@ class CheckpointManager:
         saves (the manager does, after each commit); ``min_age_s`` also spares saves
         younger than that, for use while another process may be saving. Returns what
         was (or would be) removed."""
+        self.wait()  # a save in flight is not garbage
         if not dry_run:
             self._check_lease()
         return garbage.collect(self.storage, min_age_s=min_age_s, dry_run=dry_run)
@@ -218,6 +229,8 @@ class CheckpointManager:
         self.wait()
         if step is not None:
             self._load(state, step, strict)
+            status, run_id = self._on_rank0(lambda: self._described(step))
+            self.run_id = run_id or self.run_id
             return step
         candidates = self._on_rank0(lambda: [(s, *self._described(s)) for s in reversed(self._step_folders())])
         skipped: list[str] = []
@@ -259,8 +272,11 @@ class CheckpointManager:
 
     # -- preemption --------------------------------------------------------------------
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        log.warning("SIGTERM received: finish this step, save, and exit (mgr.preempted is set)")
-        self._preempted.set()
+        if not self._closed:
+            log.warning("SIGTERM received: finish this step, save, and exit (mgr.preempted is set)")
+            self._preempted.set()
+        if getattr(self._old_handler, "__func__", None) is CheckpointManager._on_sigterm:
+            self._old_handler(signum, frame)  # another manager is preempted too
 
     @property
     def preempted(self) -> bool:
@@ -281,9 +297,8 @@ class CheckpointManager:
             if self._saver is not None:
                 self._saver.close()
         finally:
-            if self._old_handler is not None:
-                signal.signal(signal.SIGTERM, self._old_handler)
-                self._old_handler = None
+            if self._old_handler is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, _unwrap_closed(self._old_handler))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -298,6 +313,13 @@ class CheckpointManager:
 
 def _now() -> float:
     return time.perf_counter()
+
+
+def _unwrap_closed(handler: Any) -> Any:
+    """The handler to reinstall: past any closed manager's, to what it replaced."""
+    while getattr(handler, "__func__", None) is CheckpointManager._on_sigterm and handler.__self__._closed:
+        handler = handler.__self__._old_handler
+    return handler
 
 
 def _quietly(fn: Any) -> None:

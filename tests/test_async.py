@@ -1,0 +1,482 @@
+"""Async saves: true snapshots, errors that never disappear, reused staging buffers,
+one save in flight, SIGKILL during async saves, concurrent collectives, logging."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import json
+import logging
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import safeckpt
+from safeckpt.storage.local import LocalStorage
+from safeckpt.testing import Fault, FaultyStorage
+
+from async_child import HERE as CHILD, AsyncForkServer, fill, read_log  # tests/helpers
+from save_child import make_state, make_template, state_mismatch
+
+SRC = str(Path(safeckpt.__file__).resolve().parent.parent)
+
+
+@pytest.fixture(scope="module")
+def async_server():
+    server = AsyncForkServer(src=SRC)
+    yield server
+    server.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_error_left_behind():
+    """A test must never leave an unseen error in the shared ``async_save`` saver."""
+    yield
+    from safeckpt import asyncsave
+    if asyncsave._default is not None:
+        asyncsave._default.wait()
+
+
+def _enospc_on_data(monkeypatch, where: str = "") -> None:
+    """Writes to data files (under paths containing ``where``) fail with ENOSPC at the
+    OS call, as on a full disk; ``LocalStorage`` handles it as it would for real."""
+    from safeckpt.storage.local import OSFileSystem
+
+    full: set[int] = set()
+    real_open, real_write = OSFileSystem.open, OSFileSystem.write
+
+    def open_(self, path, flags, mode=0o777):
+        fd = real_open(self, path, flags, mode)
+        full.discard(fd)
+        if os.path.basename(path).startswith("data-") and where in path:
+            full.add(fd)
+        return fd
+
+    def write(self, fd, data):
+        if fd in full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(self, fd, data)
+
+    monkeypatch.setattr(OSFileSystem, "open", open_)
+    monkeypatch.setattr(OSFileSystem, "write", write)
+
+
+def _wait_done(fut, timeout: float = 60.0) -> None:
+    """Wait for a future without looking at its outcome (``result``/``exception`` would
+    count as having seen its error)."""
+    done, _ = concurrent.futures.wait([fut], timeout=timeout)
+    assert done, "the async save did not finish"
+
+
+def _wait_for(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+# --------------------------------------------------------------------------- snapshots
+
+BIG_F32 = 25_000_000   # 100 MB
+BIG_I64 = 12_500_000   # 100 MB
+
+
+def _big_state() -> dict:
+    return {
+        "model": {"a": torch.arange(BIG_F32, dtype=torch.float32),
+                  "b": torch.arange(BIG_I64, dtype=torch.int64) * 3},
+        "small": [torch.full((33 + i,), float(i)) for i in range(8)],
+        "step": 100,
+        "name": "at call time",
+        "cfg": {"lr": 0.5},
+    }
+
+
+def test_async_save_is_a_snapshot_at_call_time(tmp_path):
+    state = _big_state()
+    path = tmp_path / "ckpt"
+    fut = safeckpt.async_save(state, path)
+    # the training goes on at once: every tensor changes in place, values are replaced
+    running = not fut.done()
+    state["model"]["a"].add_(1.0)
+    state["model"]["b"].neg_()
+    for t in state["small"]:
+        t.fill_(-7.0)
+    state["step"] = 999
+    state["name"] = "changed"
+    state["cfg"]["lr"] = 0.1
+    state["model"]["a"] = torch.zeros(3)  # and a tensor is replaced by another one
+
+    assert isinstance(fut, concurrent.futures.Future) and isinstance(fut, safeckpt.SaveFuture)
+    info = fut.result(timeout=120)
+    assert isinstance(info, safeckpt.CheckpointInfo)
+    assert info.bytes >= 200_000_000
+    assert running, "the save committed before the call returned: nothing was in the background"
+    assert 0 < fut.blocked_seconds < info.seconds, (fut.blocked_seconds, info.seconds)
+
+    got = safeckpt.load_state(path)
+    assert torch.equal(got["model"]["a"], torch.arange(BIG_F32, dtype=torch.float32))
+    assert torch.equal(got["model"]["b"], torch.arange(BIG_I64, dtype=torch.int64) * 3)
+    for i, t in enumerate(got["small"]):
+        assert torch.equal(t, torch.full((33 + i,), float(i)))
+    assert got["step"] == 100 and got["name"] == "at call time" and got["cfg"] == {"lr": 0.5}
+    assert safeckpt.verify(path).ok
+
+
+def test_manager_async_save_is_a_snapshot(tmp_path, monkeypatch):
+    gate = threading.Event()
+    real = LocalStorage.write_file
+
+    def write_file(self, name, parts):  # the background write starts only after the mutation
+        if name.startswith("data-"):
+            assert gate.wait(30)
+        return real(self, name, parts)
+
+    monkeypatch.setattr(LocalStorage, "write_file", write_file)
+    with safeckpt.CheckpointManager(tmp_path / "run", async_save=True) as mgr:
+        state = make_state(1)
+        fut = mgr.save(1, state, metrics={"loss": 1.0})
+        assert isinstance(fut, safeckpt.SaveFuture)
+        fill(state, 2)  # changed in place right after the call, before a byte is written
+        gate.set()
+        info = fut.result(timeout=60)
+        assert info.step == 1 and isinstance(info, safeckpt.CheckpointInfo)
+        assert fut.blocked_seconds <= info.seconds
+        mgr.save(2, state).result(timeout=60)
+        fill(state, 3)
+        assert mgr.steps() == [1, 2]
+        assert state_mismatch(safeckpt.load_state(mgr.path(1)), 1) is None
+        assert state_mismatch(safeckpt.load_state(mgr.path(2)), 2) is None
+        template = make_template()
+        assert mgr.restore(template) == 2
+        assert state_mismatch(template, 2) is None
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_result_raises_the_background_error(tmp_path, monkeypatch):
+    _enospc_on_data(monkeypatch)
+    fut = safeckpt.async_save(make_state(1), tmp_path / "full")
+    with pytest.raises(safeckpt.StorageError) as err:
+        fut.result(timeout=60)
+    assert err.value.errno == errno.ENOSPC
+    assert "full" in str(err.value) and str(tmp_path / "full") in str(err.value)
+    with pytest.raises(safeckpt.CheckpointNotFoundError):
+        safeckpt.load_state(tmp_path / "full")  # nothing committed
+    monkeypatch.undo()
+    # seen once, never raised again: the next save just works
+    info = safeckpt.async_save(make_state(2), tmp_path / "ok").result(timeout=60)
+    assert info.bytes > 0
+    assert state_mismatch(safeckpt.load_state(tmp_path / "ok"), 2) is None
+
+
+def test_unseen_async_save_error_is_raised_by_the_next_async_save(tmp_path, monkeypatch):
+    _enospc_on_data(monkeypatch, "full")
+    fut = safeckpt.async_save(make_state(1), tmp_path / "full")
+    _wait_done(fut)
+    with pytest.raises(safeckpt.StorageError):
+        safeckpt.async_save(make_state(2), tmp_path / "next")
+    # raised once; the following save works
+    safeckpt.async_save(make_state(3), tmp_path / "next").result(timeout=60)
+    assert state_mismatch(safeckpt.load_state(tmp_path / "next"), 3) is None
+
+
+def _failed_unseen_save(tmp_path, monkeypatch) -> tuple[safeckpt.CheckpointManager, object]:
+    """An async manager with step 1 committed and step 2 failed (ENOSPC), unseen."""
+    mgr = safeckpt.CheckpointManager(tmp_path / "run", async_save=True)
+    mgr.save(1, make_state(1)).result(timeout=60)
+    _enospc_on_data(monkeypatch)
+    fut = mgr.save(2, make_state(2))
+    _wait_done(fut)
+    monkeypatch.undo()
+    assert mgr.steps() == [1]
+    return mgr, fut
+
+
+def test_unseen_error_is_raised_by_the_next_manager_save(tmp_path, monkeypatch):
+    mgr, _ = _failed_unseen_save(tmp_path, monkeypatch)
+    with pytest.raises(safeckpt.StorageError) as err:
+        mgr.save(3, make_state(3))
+    assert err.value.errno == errno.ENOSPC
+    mgr.wait()  # seen: not raised again
+    assert mgr.steps() == [1], "the save that raised the old error must not have started"
+    mgr.save(3, make_state(3)).result(timeout=60)
+    mgr.close()
+    assert mgr.steps() == [1, 3]
+
+
+def test_unseen_error_is_raised_by_wait_once(tmp_path, monkeypatch):
+    mgr, _ = _failed_unseen_save(tmp_path, monkeypatch)
+    with pytest.raises(safeckpt.StorageError):
+        mgr.wait()
+    assert mgr.wait() is None
+    mgr.save(3, make_state(3)).result(timeout=60)
+    mgr.close()
+    assert mgr.steps() == [1, 3]
+
+
+def test_unseen_error_is_raised_by_close_once(tmp_path, monkeypatch):
+    mgr, _ = _failed_unseen_save(tmp_path, monkeypatch)
+    with pytest.raises(safeckpt.StorageError):
+        mgr.close()
+    mgr.close()  # closed; nothing to raise twice
+    with pytest.raises(RuntimeError):
+        mgr.save(3, make_state(3))
+
+
+def test_error_seen_through_result_is_not_raised_again(tmp_path, monkeypatch):
+    mgr, fut = _failed_unseen_save(tmp_path, monkeypatch)
+    assert isinstance(fut.exception(), safeckpt.StorageError)  # looked at: seen
+    assert mgr.wait() is None
+    mgr.save(3, make_state(3)).result(timeout=60)
+    mgr.close()
+    assert mgr.steps() == [1, 3]
+
+
+def test_faulty_storage_enospc_reaches_the_future(tmp_path):
+    storage = FaultyStorage(LocalStorage(tmp_path / "run"))
+    mgr = safeckpt.CheckpointManager(storage, async_save=True, keep_last=1)
+    mgr.save(1, make_state(1)).result(timeout=60)
+    storage.inject("write_file", errno.ENOSPC, path="data-")
+    fut = mgr.save(2, make_state(2))
+    with pytest.raises(safeckpt.StorageError) as err:
+        fut.result(timeout=60)
+    assert err.value.errno == errno.ENOSPC
+    storage.faults.clear()
+    assert mgr.steps() == [1]  # the previous checkpoint is untouched (and not retired)
+    template = make_template()
+    assert mgr.restore(template) == 1 and state_mismatch(template, 1) is None
+    mgr.close()
+
+
+def test_unseen_error_is_printed_at_exit(tmp_path):
+    proc = subprocess.run([sys.executable, str(CHILD), "fail_unobserved", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert "returned" in proc.stdout, proc.stderr
+    err = proc.stderr
+    # both failed saves (the async_save one and the manager's) are reported, with the cause
+    reported = [line for line in err.splitlines() if "safeckpt" in line and "fail" in line]
+    assert len(reported) >= 2, err
+    assert str(tmp_path / "plain") in err, err
+    assert str(tmp_path / "run") in err, err
+    assert "disk is full" in err or "ENOSPC" in err or "No space" in err, err
+    assert "seen" in proc.stdout and str(tmp_path / "seen") not in err, "a seen error was reported again"
+
+
+# --------------------------------------------------------------------------- buffers, one in flight
+
+
+def _tensor_bytes(state: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in
+               [state["model"]["w"], state["model"]["r"], *state["small"]])
+
+
+def test_staging_buffers_are_reused_and_one_save_is_in_flight(tmp_path, monkeypatch):
+    gate = threading.Event()
+    real = LocalStorage.write_file
+
+    def write_file(self, name, parts):
+        if name.startswith("manifest-") and self.path.endswith("step-000000001"):
+            assert gate.wait(30), "the test never opened the gate"
+        return real(self, name, parts)
+
+    monkeypatch.setattr(LocalStorage, "write_file", write_file)
+    mgr = safeckpt.CheckpointManager(tmp_path / "run", async_save=True)
+    state = make_state(1)
+    fut1 = mgr.save(1, state)
+    pool = mgr._saver.pool
+    first = {name: (id(buf), buf.data_ptr()) for name, buf in pool.buffers.items()}
+    assert first and pool.nbytes == _tensor_bytes(state)  # the documented bound: one copy
+    assert not fut1.done()  # held at its manifest by the gate
+
+    threading.Timer(0.5, gate.set).start()
+    fill(state, 2)
+    started = time.perf_counter()
+    fut2 = mgr.save(2, state)
+    waited = time.perf_counter() - started
+    assert fut1.done(), "a second save started while the first was still in flight"
+    assert waited >= 0.3, f"the second save returned after {waited:.3f}s, before the first committed"
+    assert fut1.result().step == 1
+    again = {name: (id(buf), buf.data_ptr()) for name, buf in pool.buffers.items()}
+    assert again == first, "the staging buffers were reallocated for the same state"
+    assert pool.nbytes == _tensor_bytes(state)
+    assert fut2.result(timeout=60).step == 2
+    mgr.close()
+    assert state_mismatch(safeckpt.load_state(mgr.path(1)), 1) is None
+    assert state_mismatch(safeckpt.load_state(mgr.path(2)), 2) is None
+
+
+def test_async_save_function_reuses_its_buffers(tmp_path):
+    from safeckpt import asyncsave
+    state = make_state(1)
+    safeckpt.async_save(state, tmp_path / "a").result(timeout=60)
+    pool = asyncsave._default.pool
+    first = {name: buf.data_ptr() for name, buf in pool.buffers.items()}
+    assert first
+    assert pool.nbytes >= _tensor_bytes(state)
+    fill(state, 2)
+    safeckpt.async_save(state, tmp_path / "b").result(timeout=60)
+    assert {name: buf.data_ptr() for name, buf in pool.buffers.items()} == first
+    assert state_mismatch(safeckpt.load_state(tmp_path / "a"), 1) is None
+    assert state_mismatch(safeckpt.load_state(tmp_path / "b"), 2) is None
+
+
+def test_async_save_function_keeps_one_save_in_flight(tmp_path, monkeypatch):
+    gate = threading.Event()
+    real = LocalStorage.write_file
+
+    def write_file(self, name, parts):
+        if name.startswith("manifest-") and self.path.endswith("first"):
+            assert gate.wait(30)
+        return real(self, name, parts)
+
+    monkeypatch.setattr(LocalStorage, "write_file", write_file)
+    fut1 = safeckpt.async_save(make_state(1), tmp_path / "first")
+    assert not fut1.done()
+    threading.Timer(0.5, gate.set).start()
+    started = time.perf_counter()
+    fut2 = safeckpt.async_save(make_state(2), tmp_path / "second")
+    assert fut1.done() and time.perf_counter() - started >= 0.3
+    assert fut2.result(timeout=60).path.endswith("second")
+    assert state_mismatch(safeckpt.load_state(tmp_path / "first"), 1) is None
+    assert state_mismatch(safeckpt.load_state(tmp_path / "second"), 2) is None
+
+
+# --------------------------------------------------------------------------- SIGKILL
+
+
+def _kill_during_async_saves(server, tmp_path: Path, kills: int, seed: int) -> None:
+    rng = random.Random(seed)
+    root = tmp_path / "run"
+    committed_seen: list[int] = []
+    for i in range(kills):
+        progress = str(tmp_path / f"progress-{i}")
+        pid = server.fork("async_loop", root=str(root), progress=progress, keep_last=2, limit_s=60)
+        _wait_for(lambda: "start" in read_log(progress), 60, "the child to restore")
+        time.sleep(rng.uniform(0.0, 1.0))
+        res = server.kill(pid)
+        err = Path(progress + ".err")
+        assert res["signal"] == 9, (res, err.read_text() if err.exists() else "")
+        log = read_log(progress)
+        assert "fail" not in log, f"kill {i}: an async save failed in the child: {log}"
+        assert log["start"] == [committed_seen[-1] + 1 if committed_seen else 0], \
+            f"kill {i}: the child resumed at {log['start']}, the last commit was {committed_seen[-1:]}"
+
+        mgr = safeckpt.CheckpointManager(root)
+        latest = mgr.latest_step()
+        done = log.get("done", [])
+        if done:
+            assert latest is not None and latest >= max(done), \
+                f"kill {i}: step {max(done)} reported committed, newest committed is {latest}"
+        if committed_seen:
+            assert latest is not None and latest >= committed_seen[-1]
+        if latest is not None:
+            template = make_template()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert mgr.restore(template) == latest
+            # only the save the kill interrupted may be skipped, and only as not committed
+            for w in caught:
+                assert "not committed" in str(w.message) and str(w.message).count("step ") == 2, \
+                    str(w.message)
+            problem = state_mismatch(template, latest)
+            assert problem is None, f"kill {i}: step {latest} restored wrong: {problem}"
+            committed_seen.append(latest)
+        mgr.close()
+    assert committed_seen and committed_seen[-1] >= kills // 2, \
+        f"the run hardly progressed: {committed_seen}"
+
+
+def test_sigkill_during_async_saves(async_server, tmp_path):
+    _kill_during_async_saves(async_server, tmp_path, kills=10, seed=5)
+
+
+@pytest.mark.slow
+def test_sigkill_during_async_saves_many(async_server, tmp_path):
+    _kill_during_async_saves(async_server, tmp_path, kills=40, seed=int(time.time()))
+
+
+# --------------------------------------------------------------------------- distributed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(server, tmp_path: Path, world: int) -> list[dict]:
+    root, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    port = _free_port()
+    pids = [server.fork("dist_async", rank=r, world=world, port=port, root=str(root), out=str(out),
+                        progress=str(out / f"rank{r}"), limit_s=60)
+            for r in range(world)]
+    exits = [server.wait(pid) for pid in pids]
+    reports = []
+    for r, ex in enumerate(exits):
+        err = out / f"rank{r}.err"
+        path = out / f"rank{r}.json"
+        assert ex["code"] == 0 and path.exists(), \
+            f"rank {r} exited {ex}: {err.read_text() if err.exists() else 'no traceback (hang? see faulthandler)'}"
+        reports.append(json.loads(path.read_text()))
+    return reports
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_async_save_beside_concurrent_collectives(async_server, tmp_path, world):
+    from async_child import dist_state
+    reports = _run_ranks(async_server, tmp_path, world)
+    for rep in reports:
+        assert "error" not in rep, f"rank {rep['rank']}: {rep['error']}"
+        assert rep["wrong"] == [], f"rank {rep['rank']}: all_reduce gave wrong results {rep['wrong'][:3]}"
+        assert [i["step"] for i in rep["info"]] == [1, 2]
+        assert all(i["world_size"] == world for i in rep["info"])
+        assert rep["steps"] == [2]  # keep_last=1: step 1 retired after step 2 committed
+        assert rep["restored"] == 2 and rep["exact"], f"rank {rep['rank']} restored wrong values"
+    for k in range(2):  # the collectives really ran while the save was in flight
+        assert sum(rep["overlapped"][k] for rep in reports) > 0, [r["overlapped"] for r in reports]
+    got = safeckpt.load_state(tmp_path / "run" / "step-000000002")
+    want = dist_state(2)
+    assert torch.equal(got["model"]["a"], want["model"]["a"]) and got["step"] == 2
+
+
+# --------------------------------------------------------------------------- logging
+
+_NUM = r"[0-9]+(?:\.[0-9]+)?"
+
+
+def _save_records(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "safeckpt"]
+
+
+def test_a_manager_save_is_logged(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="safeckpt")
+    with safeckpt.CheckpointManager(tmp_path / "run") as mgr:
+        info = mgr.save(123, make_state(1))
+    msgs = _save_records(caplog)
+    hit = [m for m in msgs if re.search(r"\bstep\D{0,3}123\b", m) and str(info.bytes) in m
+           and "GB/s" in m and re.search(_NUM + r"\s*s\b", m)]
+    assert hit, msgs
+
+
+def test_an_async_manager_save_is_logged_with_blocked_seconds(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="safeckpt")
+    with safeckpt.CheckpointManager(tmp_path / "run", async_save=True) as mgr:
+        info = mgr.save(456, make_state(1)).result(timeout=60)
+    msgs = _save_records(caplog)
+    hit = [m for m in msgs if re.search(r"\bstep\D{0,3}456\b", m) and str(info.bytes) in m
+           and "GB/s" in m and re.search(r"blocked\D{0,10}" + _NUM, m)]
+    assert hit, f"no record names the step, bytes, seconds, GB/s and blocked seconds: {msgs}"

@@ -94,9 +94,15 @@ def assign_writes(pieces_by_rank: list[list[PieceInfo]]) -> list[list[PieceInfo]
             holders.setdefault(key, []).append(rank)
             first.setdefault(key, p)
     _check_replicated(meta, holders, len(pieces_by_rank))
-    for key in sorted(holders, key=lambda k: (-first[k].nbytes, k)):
-        ranks = holders[key]
-        rank = min(ranks, key=lambda r: (load[r], r))
+    contested = []
+    for key, ranks in holders.items():
+        if len(ranks) == 1:  # a shard only one rank holds: it writes it
+            out[ranks[0]].append(first[key])
+            load[ranks[0]] += first[key].nbytes
+        else:
+            contested.append(key)
+    for key in sorted(contested, key=lambda k: (-first[k].nbytes, k)):
+        rank = min(holders[key], key=lambda r: (load[r], r))
         out[rank].append(first[key])
         load[rank] += first[key].nbytes
     return out
@@ -110,8 +116,22 @@ def _check_replicated(meta: dict[str, PieceInfo], holders: dict[tuple, list[int]
                             f"missing on rank(s) {missing}; wrap per-rank tensors in safeckpt.RankLocal")
 
 
+def _row_tiling(global_shape: tuple[int, ...], boxes: list[Box]) -> bool:
+    """The common case, checked in linear time: boxes that span every dimension but the
+    first and follow each other along it from 0 to the end."""
+    rest = tuple(global_shape[1:])
+    edge = 0
+    for offsets, shape in sorted(boxes):
+        if offsets[0] != edge or tuple(shape[1:]) != rest or any(offsets[1:]):
+            return False
+        edge += shape[0]
+    return edge == global_shape[0]
+
+
 def check_coverage(name: str, global_shape: tuple[int, ...], boxes: list[Box]) -> None:
     """The saved boxes of a tensor must tile it exactly: no gaps, no overlaps."""
+    if global_shape and _row_tiling(global_shape, boxes):
+        return
     total = sum(volume(s) for _, s in boxes)
     if total != volume(global_shape):
         raise PlanError(f"tensor {name!r}: the pieces cover {total} of {volume(global_shape)} "

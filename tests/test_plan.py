@@ -1,0 +1,73 @@
+"""Planning as pure functions: box geometry, byte runs, write assignment, coverage."""
+
+import pytest
+import torch
+
+from safeckpt.plan import PieceInfo, PlanError, assign_writes, byte_runs, check_coverage, overlap
+
+
+def _piece(name, kind="replicated", offsets=(0,), shape=(4,), global_shape=(4,), nbytes=16):
+    return PieceInfo(name, kind, "float32", tuple(global_shape), tuple(offsets), tuple(shape), nbytes)
+
+
+def test_overlap_of_boxes():
+    assert overlap(((0, 0), (4, 4)), ((2, 3), (4, 4))) == ((2, 3), (2, 1))
+    assert overlap(((0, 0), (2, 2)), ((2, 0), (2, 2))) is None
+
+
+@pytest.mark.parametrize("shape,sub", [
+    ((6, 5), ((1, 0), (3, 5))),      # full rows: one run
+    ((6, 5), ((1, 2), (3, 2))),      # a column block: a run per row
+    ((3, 4, 5), ((1, 1, 0), (2, 2, 5))),
+    ((7,), ((2,), (3,))),
+    ((), ((), ())),
+])
+def test_byte_runs_read_exactly_the_sub_box(shape, sub):
+    t = torch.arange(max(1, torch.Size(shape).numel()), dtype=torch.float32).reshape(shape)
+    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    got = b"".join(raw[a:a + n] for a, n in byte_runs(shape, sub, 4))
+    offsets, sub_shape = sub
+    expect = t[tuple(slice(o, o + s) for o, s in zip(offsets, sub_shape))].contiguous()
+    assert got == expect.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_replicated_pieces_are_written_once_and_balanced_by_bytes():
+    pieces = [_piece(f"t{i}", nbytes=n) for i, n in enumerate([100, 90, 50, 40, 10, 10])]
+    out = assign_writes([list(pieces) for _ in range(3)])
+    written = sorted(p.name for rank in out for p in rank)
+    assert written == sorted(p.name for p in pieces)
+    loads = [sum(p.nbytes for p in rank) for rank in out]
+    assert max(loads) - min(loads) <= 50
+
+
+def test_a_shard_is_written_by_its_holder_and_duplicates_once():
+    a = _piece("w", "shard", (0,), (2,))
+    b = _piece("w", "shard", (2,), (2,))
+    out = assign_writes([[a], [b], [b]])  # ranks 1 and 2 hold the same box (Replicate)
+    assert out[0] == [a] and len(out[1]) + len(out[2]) == 1
+
+
+def test_inconsistent_pieces_and_missing_replicas_are_plan_errors():
+    with pytest.raises(PlanError, match="rank 1"):
+        assign_writes([[_piece("w")], [_piece("w", global_shape=(5,), shape=(5,))]])
+    with pytest.raises(PlanError, match="missing on rank"):
+        assign_writes([[_piece("w")], []])
+
+
+@pytest.mark.parametrize("boxes", [
+    [((0, 0), (2, 4)), ((2, 0), (2, 4))],                      # rows
+    [((0, 0), (4, 1)), ((0, 1), (4, 3))],                      # uneven columns
+    [((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 4))],    # mixed
+])
+def test_tilings_are_accepted(boxes):
+    check_coverage("w", (4, 4), boxes)
+
+
+@pytest.mark.parametrize("boxes,problem", [
+    ([((0, 0), (2, 4))], "cover"),                             # a gap
+    ([((0, 0), (3, 4)), ((2, 0), (2, 4))], "cover"),           # too much
+    ([((0, 0), (2, 4)), ((0, 0), (2, 4))], "overlap"),         # twice the same rows
+])
+def test_gaps_and_overlaps_are_refused(boxes, problem):
+    with pytest.raises(PlanError):
+        check_coverage("w", (4, 4), boxes)

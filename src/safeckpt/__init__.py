@@ -7,11 +7,12 @@ from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundE
                      CorruptCheckpointError, SaveAbortedError, StateMismatchError, StorageError,
                      UnsafeObjectError, UnsupportedFormatError)
 from .manager import CheckpointManager
+from .seal import seal
 from .shards import RankLocal, Shard
 
 __all__ = [
     "__version__", "save", "async_save", "load", "load_state", "verify", "CheckpointInfo",
-    "VerifyReport", "SaveFuture", "Shard", "RankLocal", "UnsupportedFormatError",
+    "VerifyReport", "SaveFuture", "Shard", "RankLocal", "UnsupportedFormatError", "seal",
     "CheckpointManager", "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError",
     "CorruptCheckpointError", "SaveAbortedError", "StateMismatchError", "StorageError",
     "UnsafeObjectError",

@@ -17,6 +17,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
+from . import codec
 from . import errors as errors_module
 from .commit import DATA_RE, SaveRun, read_existing
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError, UnsupportedFormatError
@@ -281,16 +282,27 @@ def _agree(group: Any, error: BaseException | None, what: str) -> None:
     raise kind(f"{what} failed on rank(s) {sorted(failed)}:\n  {lines}")
 
 
+def _only(tree: Any, keys: list, url: str) -> Any:
+    """The saved tree restricted to some top-level keys."""
+    saved = dict(codec.items_of(tree, "", False)) if codec.tag_of(tree) in ("object", "$dict") else {}
+    missing = [k for k in keys if k not in saved]
+    if missing:
+        raise StateMismatchError(f"the checkpoint at {url} holds no {missing}")
+    return {"$dict": [[codec.encode_leaf_or_tuple(k, "", False), saved[k]] for k in keys]}
+
+
 @gc_paused
 def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = True,
          process_group: Any = None, storage_options: dict | None = None,
-         allow_pickle: bool = False) -> None:
+         allow_pickle: bool = False, keys: "list | None" = None) -> None:
     """Load a checkpoint into ``state`` in place (see DESIGN.md).
 
     Each rank reads only the bytes of its own part. Every mismatch is found before
     anything is read, so ``StateMismatchError`` leaves ``state`` untouched; with
     ``strict=False`` what matches is loaded and the rest is reported in a warning.
-    In a distributed job, a failure on any rank raises on every rank."""
+    ``keys`` loads only those top-level keys (``state`` holds just them), leaving the
+    checkpoint's others unread. In a distributed job, a failure on any rank raises on
+    every rank."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, not {type(state).__name__}")
     group = resolve(process_group)
@@ -299,7 +311,8 @@ def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = Tru
     planner = LoadPlanner(manifest.tensors, strict, allow_pickle, group.rank, group.size)
     error: BaseException | None = None
     try:
-        build = planner.plan(state, manifest.tree)
+        tree = manifest.tree if keys is None else _only(manifest.tree, list(keys), storage.url)
+        build = planner.plan(state, tree)
         if planner.problems and strict:
             listing = "\n  ".join(planner.problems)
             raise StateMismatchError(

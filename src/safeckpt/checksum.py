@@ -31,3 +31,17 @@ _CHECKSUM_RE = re.compile(ALGORITHM + r":[0-9a-f]{16}", re.ASCII)
 def is_checksum(value: object) -> bool:
     """True when ``value`` is a checksum string this version can check."""
     return isinstance(value, str) and _CHECKSUM_RE.fullmatch(value) is not None
+
+
+def file_checksum(storage, name: str, size: int, block_size: int = BLOCK_SIZE) -> str:
+    """The checksum of a whole file (what a sealed file's manifest entry records), read
+    block by block so a file of any size needs one block of memory."""
+    h = xxhash.xxh3_64()
+    buf = memoryview(bytearray(min(block_size, size) or 1))
+    offset = 0
+    while offset < size:
+        n = min(len(buf), size - offset)
+        storage.read_into(name, offset, buf[:n])
+        h.update(buf[:n])
+        offset += n
+    return f"{ALGORITHM}:{h.hexdigest()}"

@@ -20,10 +20,10 @@ from __future__ import annotations
 import errno
 import os
 import time
-import xxhash
+
 
 from .checkpoint import CheckpointInfo, new_save_id, plain_values, retire
-from .checksum import ALGORITHM, BLOCK_SIZE
+from .checksum import BLOCK_SIZE, file_checksum
 from .commit import DATA_RE, read_existing
 from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from .manifest import FileEntry, Manifest, check_relpath, encode_manifest, encode_values, manifest_name, manifest_seq
@@ -31,7 +31,7 @@ from .storage import Storage
 from .storage import open as open_storage
 from .storage.local import LocalStorage, fsync_folder
 
-__all__ = ["seal", "file_checksum"]
+__all__ = ["seal"]
 
 _NO_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES, errno.EPERM, errno.EISDIR}
 
@@ -48,23 +48,13 @@ def _list_files(storage: Storage, prefix: str = "") -> dict[str, int]:
     return out
 
 
-def file_checksum(storage: Storage, name: str, size: int, block_size: int = BLOCK_SIZE) -> str:
-    """The checksum of a whole file (``xxh3_64:<hex>``, the value ``verify`` compares),
-    read block by block so a file of any size needs one block of memory."""
-    h = xxhash.xxh3_64()
-    buf = memoryview(bytearray(min(block_size, size) or 1))
-    offset = 0
-    while offset < size:
-        n = min(len(buf), size - offset)
-        try:
-            storage.read_into(name, offset, buf[:n])
-        except EOFError as exc:
-            raise CorruptCheckpointError(
-                f"{storage.url}/{name} shrank while it was being sealed ({exc}); is another "
-                "process still writing into this folder?") from exc
-        h.update(buf[:n])
-        offset += n
-    return f"{ALGORITHM}:{h.hexdigest()}"
+def _checksum_of(storage: Storage, name: str, size: int) -> str:
+    try:
+        return file_checksum(storage, name, size)
+    except EOFError as exc:
+        raise CorruptCheckpointError(
+            f"{storage.url}/{name} shrank while it was being sealed ({exc}); is another "
+            "process still writing into this folder?") from exc
 
 
 def _make_durable(storage: Storage, names: list[str]) -> None:
@@ -101,7 +91,7 @@ def _foreign(name: str) -> bool:
     return not (top and (manifest_seq(name) is not None or DATA_RE.fullmatch(name)))
 
 
-def seal(path: "str | os.PathLike[str] | Storage", *, storage_options: dict | None = None,
+def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None = None,
          metadata: dict | None = None, step: int | None = None) -> CheckpointInfo:
     """Commit every file under ``path`` as one checkpoint: checksum each whole file and
     write a manifest naming them, last, with an exclusive create.
@@ -145,7 +135,7 @@ def seal(path: "str | os.PathLike[str] | Storage", *, storage_options: dict | No
                 files[f.name] = f
     _make_durable(storage, names)
     for name in names:
-        files[name] = FileEntry(name, listing[name], checksum=file_checksum(storage, name, listing[name]))
+        files[name] = FileEntry(name, listing[name], checksum=_checksum_of(storage, name, listing[name]))
     after = {n: s for n, s in _list_files(storage).items() if n in files}
     changed = sorted(n for n in files if after.get(n) != files[n].size)
     if changed:

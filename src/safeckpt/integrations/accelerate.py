@@ -48,9 +48,9 @@ from ..retention import Retention
 from ..shards import RankLocal
 from ..storage import Storage
 
-__all__ = ["save_state", "load_state", "checkpoint_manager", "rng_states", "set_rng_states"]
+__all__ = ["checkpoint_manager", "load_state", "rng_states", "save_state", "set_rng_states"]
 
-_MANAGERS: "weakref.WeakKeyDictionary[Any, dict[str, CheckpointManager]]" = weakref.WeakKeyDictionary()
+_MANAGERS: weakref.WeakKeyDictionary[Any, dict[str, CheckpointManager]] = weakref.WeakKeyDictionary()
 _UNSUPPORTED = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.FSDP: "FSDP",
                 DistributedType.MEGATRON_LM: "Megatron-LM", DistributedType.XLA: "torch_xla"}
 
@@ -58,7 +58,7 @@ _UNSUPPORTED = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.FSDP: "F
 _RETENTION = ("keep_last", "keep_best", "best_metric", "best_mode", "keep_every")
 
 
-def checkpoint_manager(accelerator: Any, root: "str | os.PathLike[str] | Storage | CheckpointManager",
+def checkpoint_manager(accelerator: Any, root: str | os.PathLike[str] | Storage | CheckpointManager,
                        **options: Any) -> CheckpointManager:
     """The ``CheckpointManager`` this accelerator uses for ``root``, created on first use
     with ``options`` (a manager passed as ``root`` is used as it is). Later calls may
@@ -142,7 +142,7 @@ def _state(accelerator: Any, rng: Any) -> dict:
     return state
 
 
-def save_state(accelerator: Any, root: "str | os.PathLike[str] | Storage | CheckpointManager", step: int, *,
+def save_state(accelerator: Any, root: str | os.PathLike[str] | Storage | CheckpointManager, step: int, *,
                metrics: dict | None = None, metadata: dict | None = None,
                **manager_options: Any) -> CheckpointInfo | SaveFuture:
     """Save everything the accelerator tracks as the checkpoint of ``step`` under
@@ -154,7 +154,7 @@ def save_state(accelerator: Any, root: "str | os.PathLike[str] | Storage | Check
     return mgr.save(step, _state(accelerator, RankLocal(rng_states())), metrics=metrics, metadata=meta)
 
 
-def load_state(accelerator: Any, root: "str | os.PathLike[str] | Storage | CheckpointManager",
+def load_state(accelerator: Any, root: str | os.PathLike[str] | Storage | CheckpointManager,
                step: int | None = None, *, strict: bool = True, **manager_options: Any) -> int | None:
     """Restore the newest valid checkpoint under ``root`` (or ``step``) into everything
     the accelerator tracks, RNG states and ``accelerator.step`` included. Returns the

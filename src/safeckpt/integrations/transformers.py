@@ -46,18 +46,23 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from packaging.version import Version
 
 from .. import codec
-from ..checkpoint import _agree, _committed_for_group, read_committed, retire, save, verify
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
-from ..group import resolve
+from ..checkpoint import load as safeckpt_load
+from ..checkpoint import read_committed, retire, save, verify
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..manifest import Manifest, manifest_seq
 from ..reader import TensorReader
 from ..seal import seal
 from ..shards import RankLocal
-from ..state import LoadPlanner
 from ..storage import open as open_storage
 
-__all__ = ["SafeCheckpointCallback", "SafeTrainer", "SafeTrainerMixin", "last_checkpoint",
-           "check_transformers_version", "SUPPORTED_TRANSFORMERS"]
+__all__ = [
+    "SUPPORTED_TRANSFORMERS",
+    "SafeCheckpointCallback",
+    "SafeTrainer",
+    "SafeTrainerMixin",
+    "check_transformers_version",
+    "last_checkpoint",
+]
 
 log = logging.getLogger("safeckpt")
 
@@ -293,32 +298,9 @@ def set_rng_states(states: dict) -> None:
 
 def load_keys(state: dict, path: str, *, process_group: Any = None) -> None:
     """Load the top-level keys of ``state`` from the checkpoint at ``path``, strictly
-    within each key, leaving the checkpoint's other keys unread (``safeckpt.load`` wants
-    the whole state; the Trainer restores model, optimizer and RNG at three moments)."""
-    storage = open_storage(path)
-    group = resolve(process_group)
-    manifest = _committed_for_group(storage, group)
-    tree = manifest.tree
-    planner = LoadPlanner(manifest.tensors, True, False, group.rank, group.size)
-    error: BaseException | None = None
-    build = None
-    try:
-        missing = sorted(k for k in state if codec.tag_of(tree) != "object" or k not in tree)
-        if missing:
-            raise StateMismatchError(f"the checkpoint at {storage.url} holds no {missing}")
-        build = planner.plan(state, {k: tree[k] for k in state})
-        if planner.problems:
-            raise StateMismatchError(
-                f"the state does not match the checkpoint at {storage.url}:\n  " + "\n  ".join(planner.problems))
-    except CheckpointError as exc:
-        error = exc
-    _agree(group, error, f"loading {storage.url}")
-    try:
-        TensorReader(storage, manifest, True).run(planner.reads)
-        build()
-    except CheckpointError as exc:
-        error = exc
-    _agree(group, error, f"loading {storage.url}")
+    within each key, leaving the checkpoint's other keys unread (the Trainer restores
+    model, optimizer and RNG at three different moments)."""
+    safeckpt_load(state, path, keys=list(state), process_group=process_group)
 
 
 def _safe_manifest(path: str | None) -> Manifest | None:
@@ -390,7 +372,8 @@ class SafeTrainerMixin:
         trainer_state = dataclasses.asdict(self.state)
         for name in _PER_RANK_FIELDS:
             trainer_state.pop(name, None)
-        state["trainer_state"] = trainer_state
+        # per process: its log history holds timings (eval_runtime...) that differ by rank
+        state["trainer_state"] = RankLocal(trainer_state) if self.args.world_size > 1 else trainer_state
         return state
 
     def _save_checkpoint(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 import warnings
@@ -76,7 +77,8 @@ def data_file_name(save_id: str, rank: int) -> str:
 
 
 class SaveRun:
-    """One save by one rank; ``run()`` returns the committed manifest."""
+    """One save by one rank; ``run()`` returns the committed manifest's summary (its
+    files and fields, without the tensor table and tree, which only rank 0 holds)."""
 
     def __init__(self, group: SingleGroup | TorchGroup, storage: Storage, *, overwrite: bool,
                  step: int | None, metadata: dict, metrics: dict, new_save_id: Any,
@@ -93,6 +95,7 @@ class SaveRun:
         self.run_id = run_id
         self.local_error: BaseException | None = None
         self.old: Manifest | None = None
+        self.tree: Any = None  # rank 0: the merged tree of every rank
         self.committed = False
 
     def run(self, flatten: Any) -> Manifest:
@@ -187,7 +190,7 @@ class SaveRun:
                     self.before_commit()
                 self._write_manifest(manifest)
                 self._retire_old(manifest)
-                return manifest
+                return dataclasses.replace(manifest, tensors={}, tree=None)  # small to broadcast
         except Exception as exc:
             self.local_error = exc
             errors = {0: describe_error(exc)}

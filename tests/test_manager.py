@@ -83,3 +83,14 @@ def test_metrics_and_metadata_are_recorded(tmp_path):
     from safeckpt.storage import open as open_storage
     m = read_committed(open_storage(mgr.path(5)))
     assert m.step == 5 and m.metrics == {"loss": 0.5} and m.metadata == {"run": "a"}
+
+
+def test_paths_may_be_str_pathlike_or_file_urls(tmp_path):
+    url = "file://" + str(tmp_path / "a b" / "ck")  # a space: not percent-encoded here
+    safeckpt.save(_state(3), url)
+    for path in (url, tmp_path / "a b" / "ck", str(tmp_path / "a b" / "ck")):
+        got = safeckpt.load_state(path)
+        assert got["step"] == 3 and torch.equal(got["w"], torch.full((4,), 3.0))
+    mgr = safeckpt.CheckpointManager("file://" + str(tmp_path / "run"))
+    mgr.save(1, _state(1))
+    assert (tmp_path / "run" / "step-000000001").is_dir() and mgr.steps() == [1]

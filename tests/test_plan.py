@@ -71,3 +71,21 @@ def test_tilings_are_accepted(boxes):
 def test_gaps_and_overlaps_are_refused(boxes, problem):
     with pytest.raises(PlanError):
         check_coverage("w", (4, 4), boxes)
+
+
+def test_an_overlap_far_apart_balanced_by_a_gap_is_found():
+    """Many pieces (more than a pairwise check could afford): one box is moved onto
+    another far away in sort order, leaving a gap of the same size."""
+    boxes = [((i, 0), (1, 8)) for i in range(71)]
+    boxes[60] = ((2, 0), (1, 8))  # duplicates row 2, row 60 is missing: volumes still add up
+    with pytest.raises(PlanError, match="overlap"):
+        check_coverage("w", (71, 8), boxes)
+    grid = [((r, c), (2, 2)) for r in range(0, 20, 2) for c in range(0, 20, 2)]
+    check_coverage("w", (20, 20), grid)  # a 10 x 10 grid of blocks tiles exactly
+
+
+def test_rank_local_values_cannot_nest(tmp_path):
+    import safeckpt
+    with pytest.raises(safeckpt.UnsafeObjectError, match="nested"):
+        safeckpt.save({"a": safeckpt.RankLocal({"b": safeckpt.RankLocal(1)})}, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()

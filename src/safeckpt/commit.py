@@ -21,7 +21,8 @@ from typing import Any
 
 from .checksum import checksum
 from .datafile import WrittenPiece, plan_layout, stream
-from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError
+from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError,
+                     UnsupportedFormatError)
 from .group import SingleGroup, TorchGroup
 from .manifest import Chunk, FileEntry, Manifest, TensorEntry, encode_manifest, manifest_name, manifest_seq
 from .plan import PieceInfo, PlanError, assign_writes, check_coverage
@@ -138,7 +139,9 @@ class SaveRun:
         if not errors:
             try:
                 return self._assign(intents)
-            except (PlanError, CheckpointExistsError) as exc:
+            except (PlanError, CheckpointExistsError, UnsupportedFormatError) as exc:
+                if isinstance(exc, UnsupportedFormatError):
+                    self.local_error = exc  # one process re-raises it as it is
                 abort = Assignment(abort=str(exc), exists=isinstance(exc, CheckpointExistsError))
                 return [abort] * size
             except Exception as exc:  # rank 0 failed to plan: report it, never hang
@@ -329,6 +332,8 @@ def read_existing(storage: Storage) -> tuple[Manifest | None, int]:
     max_seq = max((s for n in listing if (s := manifest_seq(n)) is not None), default=0)
     try:
         return read_committed(storage, listing), max_seq
+    except UnsupportedFormatError:
+        raise  # never write over a checkpoint this version cannot read
     except (CheckpointNotFoundError, CorruptCheckpointError):
         return None, max_seq
 

@@ -38,7 +38,7 @@ from .checkpoint import CheckpointInfo, read_committed
 from .checkpoint import save as safeckpt_save
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
                      CorruptCheckpointError, UnsafeObjectError)
-from .manifest import Manifest, TensorEntry
+from .manifest import Manifest
 from .reader import TensorReader
 from .state import Read
 from .storage import Storage
@@ -252,8 +252,9 @@ def _clear(storage: Storage, names: list[str], target: _Target, overwrite: bool)
         raise CheckpointExistsError(f"{storage.url}/{clash[0]} exists; pass --overwrite (overwrite=True) "
                                     "to replace the output")
     if overwrite:
-        stale = set(clash) | {n for n in existing if shard_re.fullmatch(n) or n == index} if target.single_name is None \
-            else set(clash)
+        stale = set(clash)
+        if target.single_name is None:  # a folder: earlier shards and index too
+            stale |= {n for n in existing if shard_re.fullmatch(n) or n == index}
         storage.delete(sorted(n for n in stale if existing.get(n) is not None))
 
 
@@ -431,12 +432,15 @@ def read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]
 
 
 def _weights_only_error(path: str, exc: BaseException) -> UnsafeObjectError:
-    text = str(exc)
-    m = re.search(r"WeightsUnpickler error: ([^\n]+)", text)
-    why = (m.group(1) if m else text.strip().splitlines()[0] if text.strip() else type(exc).__name__)
-    why = why.split(" Please use ")[0].split(" Check the documentation")[0].rstrip(". ")
+    """One line out of torch's long weights_only refusal: the sentence that says what
+    the file holds."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    useful = [line.removeprefix("WeightsUnpickler error:").strip() for line in lines
+              if not line.startswith(("Weights only load failed", "Check the documentation"))]
+    why = (useful or lines or [type(exc).__name__])[0]
+    why = why.split(" Please use ")[0].rstrip(". ")
     return UnsafeObjectError(
-        f"{path}: refused: torch.load(weights_only=True) does not allow what this file holds ({why.strip()}). "
+        f"{path}: refused: torch.load(weights_only=True) does not allow what this file holds ({why}). "
         "safeckpt never unpickles arbitrary objects from a file; if you trust it, load it yourself "
         "and call safeckpt.save")
 
@@ -498,6 +502,20 @@ def read_dcp(path: str) -> dict:
     except ImportError as exc:
         raise ExportError(f"cannot read the DCP checkpoint {path}: this torch has no "
                           f"torch.distributed.checkpoint ({exc})") from exc
+
+    # checked here first: DCP turns a failure inside read_metadata into an AssertionError
+    meta_path = os.path.join(path, ".metadata")
+    try:
+        with open(meta_path, "rb") as f:
+            _DcpMetadataUnpickler(f).load()
+    except pickle.UnpicklingError as exc:
+        raise UnsafeObjectError(f"{meta_path}: refused: {exc}; safeckpt only reads DCP metadata "
+                                "records from it") from exc
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"{path} is not a torch.distributed.checkpoint folder (no .metadata)") from exc
+    except Exception as exc:  # noqa: BLE001 - truncated or garbled
+        raise CorruptCheckpointError(
+            f"{meta_path}: cannot read the DCP metadata ({type(exc).__name__}: {exc})") from exc
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:

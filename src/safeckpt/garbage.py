@@ -13,7 +13,7 @@ import re
 import time
 from .checkpoint import read_committed
 from .commit import DATA_RE
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from .manifest import manifest_seq
 from .storage import Storage
 
@@ -35,6 +35,8 @@ def garbage_in(folder: Storage, min_age_s: float | None = None,
     listing = folder.listdir()
     try:
         committed = read_committed(folder, listing)
+    except UnsupportedFormatError:
+        return [], []  # written by a newer safeckpt: nothing here is ours to judge
     except (CheckpointNotFoundError, CorruptCheckpointError):
         committed = None
     needed = set(committed.files) if committed else set()

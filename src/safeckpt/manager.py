@@ -19,7 +19,7 @@ from typing import Any
 from . import garbage
 from .asyncsave import AsyncSaver, SaveFuture, background_group
 from .checkpoint import CheckpointInfo, load, read_committed, retire, save_request
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
 from .group import SingleGroup, TorchGroup, resolve
 from .lease import WriterLease
 from .manifest import Manifest
@@ -96,9 +96,12 @@ class CheckpointManager:
 
     def _read(self, step: int) -> tuple[str, Manifest | str]:
         """("ok", manifest), ("incomplete", why) when no manifest exists (a save that
-        never committed), or ("damaged", why) when a manifest exists but is not valid."""
+        never committed), ("damaged", why) when a manifest exists but is not valid, or
+        ("newer", why) when a newer safeckpt wrote it."""
         try:
             return "ok", read_committed(self.storage.child(step_folder(step)))
+        except UnsupportedFormatError as exc:
+            return "newer", str(exc)  # listed as not ours; restore refuses to skip it
         except CheckpointNotFoundError as exc:
             return "incomplete", str(exc)
         except CorruptCheckpointError as exc:
@@ -236,6 +239,8 @@ class CheckpointManager:
         skipped: list[str] = []
         failed = False
         for i, (candidate, status, detail) in enumerate(candidates):
+            if status == "newer":  # resuming from an older step instead would lose work
+                raise UnsupportedFormatError(detail)
             if status != "ok":
                 # a crash can leave only the newest save torn; older damage is corruption
                 failed = failed or (status == "damaged" and i > 0)

@@ -233,10 +233,10 @@ def _decode_body(body: dict, where: str) -> Manifest:
         tensors[name] = TensorEntry(t["dtype"], t["shape"], chunks)
     step, world, run_id = body.get("step"), body["world_size"], body.get("run_id")
     _need(run_id is None or isinstance(run_id, str), where, f"bad run_id {run_id!r}")
-    _need(step is None or type(step) is int, where, f"bad step {step!r}")
+    _need(step is None or _is_int(step), where, f"bad step {step!r}")
     _need(_is_int(world, 1), where, f"bad world_size {world!r}")
-    _need(isinstance(body["save_id"], str) and type(body["seq"]) is int
-          and isinstance(body["created"], (int, float)), where, "bad save_id, seq or created")
+    _need(isinstance(body["save_id"], str) and _is_int(body["seq"], 1)
+          and type(body["created"]) in (int, float), where, "bad save_id, seq or created")
     return Manifest(
         save_id=body["save_id"], seq=body["seq"], created=float(body["created"]), world_size=world,
         files=files, tensors=tensors, tree=body["tree"], step=step, block_size=block, run_id=run_id,

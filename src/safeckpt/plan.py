@@ -136,15 +136,24 @@ def check_coverage(name: str, global_shape: tuple[int, ...], boxes: list[Box]) -
     if total != volume(global_shape):
         raise PlanError(f"tensor {name!r}: the pieces cover {total} of {volume(global_shape)} "
                         "elements; every element must be held by exactly one box")
-    ordered = sorted(boxes)
-    for a, b in itertools.combinations(ordered, 2) if len(ordered) <= 64 else _neighbours(ordered):
-        if overlap(a, b) is not None and volume(a[1]) and volume(b[1]):
-            raise PlanError(f"tensor {name!r}: pieces at {list(a[0])} and {list(b[0])} overlap")
+    clash = _grid_overlap([b for b in boxes if volume(b[1])], global_shape)
+    if clash is not None:
+        raise PlanError(f"tensor {name!r}: pieces at {list(clash[0][0])} and {list(clash[1][0])} overlap")
 
 
-def _neighbours(boxes: list[Box]):
-    # many pieces: compare each with the next few in sort order; with the volume check
-    # this catches duplicated and shifted pieces in linear time
-    for i in range(len(boxes) - 1):
-        for j in range(i + 1, min(i + 4, len(boxes))):
-            yield boxes[i], boxes[j]
+def _grid_overlap(boxes: list[Box], global_shape: tuple[int, ...]) -> tuple[Box, Box] | None:
+    """Two boxes that share an element, or None. The boxes' edges cut the tensor into a
+    grid of cells; each box marks the cells it covers (as many cells as boxes for the
+    usual grid-shaped shardings, so this is linear in practice)."""
+    cuts = [sorted({0, g, *(o[d] for o, _ in boxes), *(o[d] + s[d] for o, s in boxes)})
+            for d, g in enumerate(global_shape)]
+    index = [{v: i for i, v in enumerate(c)} for c in cuts]
+    owner: dict[tuple[int, ...], Box] = {}
+    for box in boxes:
+        offsets, shape = box
+        spans = [range(index[d][o], index[d][o + s]) for d, (o, s) in enumerate(zip(offsets, shape))]
+        for cell in itertools.product(*spans):
+            if cell in owner:
+                return owner[cell], box
+            owner[cell] = box
+    return None

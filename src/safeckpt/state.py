@@ -91,6 +91,8 @@ def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState
         if type(value) in _PLAIN:  # the common case, decided without attribute lookups
             return value
         if isinstance(value, RankLocal):
+            if local:
+                raise UnsafeObjectError(f"{key}: RankLocal values cannot be nested")
             nonlocal has_local
             has_local = True
             inner = codec.encode(value.value, key, on_local_tensor,

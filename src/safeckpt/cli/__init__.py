@@ -26,7 +26,12 @@ __all__ = ["cli", "main"]
 @click.option("--debug", is_flag=True, help="show the traceback of an error (also $SAFECKPT_DEBUG=1)")
 def cli(debug: bool) -> None:
     """Crash-safe checkpoints for PyTorch: list, inspect, verify, clean up, export,
-    import and compare them, on a local path or any storage URL (s3://, gs://, ...)."""
+    import and compare them, on a local path or any storage URL (s3://, gs://, ...).
+
+    Every command takes -o/--storage-option KEY=VALUE for the storage backend
+    (endpoint_url, key, secret, ...) and reads $SAFECKPT_STORAGE_OPTIONS (a JSON
+    object). Errors are one line on stderr and exit status 2; verify and diff exit 1
+    for what they find."""
     set_debug(debug)
 
 

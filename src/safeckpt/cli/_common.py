@@ -16,7 +16,6 @@ import click
 from .. import codec
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsafeObjectError
 from ..garbage import STEP_RE
-from ..export import plain_values as leaf_values
 from ..manifest import manifest_seq
 from ..storage import Storage
 from ..storage import open as open_storage

@@ -15,8 +15,8 @@ from ..checkpoint import read_committed
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..reader import TensorReader
 from ..storage import Storage
-from ._common import (say, progress_console, console, human_bytes, locate, print_json, storage_option_flag, storage_options,
-                      table, text)
+from ._common import (console, human_bytes, locate, print_json, progress_console, say, storage_option_flag,
+                      storage_options, table, text)
 
 
 class _Counting(Storage):
@@ -121,7 +121,7 @@ def verify_all(storages: list[Storage], jobs: int, progress: Any = None) -> list
     return results
 
 
-@click.command("verify")
+@click.command("verify", short_help="Read every byte and check every checksum.")
 @click.argument("paths", nargs=-1, required=True, metavar="PATH...")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=8, show_default=True,
               help="files read and checked at once")
@@ -179,10 +179,10 @@ def _sizes(root: Storage, names: list[str], single: bool) -> dict[str, int]:
     return sizes
 
 
-@click.command("gc")
+@click.command("gc", short_help="Remove what interrupted saves left behind.")
 @click.argument("root")
 @click.option("--dry-run", is_flag=True, help="only list what would be removed")
-@click.option("--min-age", type=click.FloatRange(min=0), default=3600.0, show_default=True, metavar="SECONDS",
+@click.option("--min-age", type=click.FloatRange(min=0), default=3600, show_default=True, metavar="SECONDS",
               help="spare saves younger than this (a live job may still be writing them); 0 spares none")
 @storage_option_flag
 def gc_command(root: str, dry_run: bool, min_age: float, storage_option: tuple[str, ...]) -> int:

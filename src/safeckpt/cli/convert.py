@@ -7,11 +7,11 @@ import click
 
 from ..errors import CheckpointExistsError
 from ..export import FORMATS, export_checkpoint, import_checkpoint
-from ._common import (options_for, say, progress_console, CliError, _value, console, human_bytes, locate, storage_option_flag, storage_options,
-                      table, text)
+from ._common import (CliError, _value, console, human_bytes, locate, options_for, progress_console, say,
+                      storage_option_flag, storage_options, table, text)
 
 
-@click.command("export")
+@click.command("export", short_help="Consolidate a checkpoint into safetensors or torch files.")
 @click.argument("ckpt")
 @click.argument("out")
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]), default="safetensors",
@@ -31,8 +31,9 @@ def export_command(ckpt: str, out: str, fmt: str, max_shard_size: str | None, se
     OUT ending in .safetensors (or .pt/.bin for --format torch) is one file; anything
     else is a folder (model.safetensors or pytorch_model.bin in it, or the sharded
     layout with --max-shard-size). Full tensors are assembled from the checkpoint's
-    chunks and streamed out a batch at a time: with --max-shard-size (and always for
-    safetensors) the whole model is never in memory. Non-tensor values are not exported."""
+    chunks a batch at a time and streamed out: safetensors output never holds the
+    whole model in memory, torch output holds one output file (use --max-shard-size
+    for large models). Non-tensor values are not exported."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
     options = storage_options(storage_option)
@@ -72,7 +73,7 @@ def _metadata(pairs: tuple[str, ...]) -> dict:
     return meta
 
 
-@click.command("import")
+@click.command("import", short_help="Bring in a torch.save, safetensors, HF or DCP checkpoint.")
 @click.argument("src")
 @click.argument("dest")
 @click.option("--format", "fmt", type=click.Choice(["auto", *FORMATS]), default="auto", show_default=True,

@@ -9,12 +9,15 @@ from typing import Any
 import click
 import torch
 
+from .. import codec
 from ..checkpoint import read_committed
+from ..errors import CheckpointError
+from ..export import plain_values as leaf_values
 from ..export import read_tensors
 from ..manifest import Manifest, TensorEntry
 from ..storage import Storage
-from ._common import (say, CliError, compact, console, decode, jsonable, leaf_values, locate, print_json,
-                      storage_option_flag, storage_options, text)
+from ._common import (CliError, compact, console, decode, jsonable, locate, print_json, say,
+                      storage_option_flag, storage_options)
 
 BLOCK = 1 << 22  # elements compared at a time
 
@@ -50,7 +53,8 @@ def _same_bytes(a: TensorEntry, b: TensorEntry, ma: Manifest, mb: Manifest) -> b
     """Equal chunk layout and block checksums: the bytes are equal, nothing to read."""
     if ma.block_size != mb.block_size or len(a.chunks) != len(b.chunks):
         return False
-    key = lambda c: (c.offsets, c.shape)  # noqa: E731
+    def key(c: Any) -> tuple:
+        return c.offsets, c.shape
     return all(x.offsets == y.offsets and x.shape == y.shape and x.checksums == y.checksums
                for x, y in zip(sorted(a.chunks, key=key), sorted(b.chunks, key=key)))
 
@@ -87,6 +91,39 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
             count += n
             worst = max(worst, float(d.max())) if not math.isnan(worst) else worst
     return worst, count
+
+
+_KINDS = {"object": "dict", "$dict": "dict", "$odict": "dict", "list": "list", "$tuple": "tuple",
+          "$size": "torch.Size"}  # a dict and an OrderedDict load alike
+
+
+def containers(tree: Any) -> dict[str, str]:
+    """Every container of a saved tree by its dotted name, described by its type and
+    the types of its keys: ``{0: ...}`` and ``{"0": ...}`` have the same dotted names,
+    but an optimizer loads only one of them."""
+    out: dict[str, str] = {}
+
+    def walk(node: Any, key: str) -> None:
+        tag = codec.tag_of(node)
+        if tag == "$local":
+            for rank, child in enumerate(node["$local"]):
+                walk(child, f"{key}@{rank}")
+            return
+        if tag not in _KINDS:
+            return
+        try:
+            items = codec.items_of(node, key, False)
+        except CheckpointError:
+            return
+        kind = _KINDS[tag]
+        if tag in ("object", "$dict", "$odict") and items:
+            kind += " with " + "/".join(sorted({type(k).__name__ for k, _ in items})) + " keys"
+        out[key or "<root>"] = kind
+        for k, child in items:
+            walk(child, codec.child_key(key, k))
+
+    walk(tree, "")
+    return out
 
 
 def diff_checkpoints(sa: Storage, sb: Storage, *, atol: float = 0.0) -> Diff:
@@ -126,6 +163,10 @@ def diff_checkpoints(sa: Storage, sb: Storage, *, atol: float = 0.0) -> Diff:
         elif va[key] != vb[key]:
             out.values.append({"name": key, "change": "changed", "a": decode(va[key], key),
                                "b": decode(vb[key], key)})
+    ca, cb = containers(ma.tree), containers(mb.tree)
+    for key in ca.keys() & cb.keys():
+        if ca[key] != cb[key]:
+            out.values.append({"name": key, "change": "changed", "a": ca[key], "b": cb[key], "container": True})
     out.values.sort(key=lambda v: v["name"])
     for what, a, b in (("metadata", ma.metadata, mb.metadata), ("metrics", ma.metrics, mb.metrics)):
         for key in sorted(a.keys() | b.keys(), key=str):
@@ -151,7 +192,7 @@ def _shape(e: dict) -> str:
     return f"{e['dtype']} [{', '.join(map(str, e['shape']))}]"
 
 
-@click.command("diff")
+@click.command("diff", short_help="Compare two checkpoints tensor by tensor.")
 @click.argument("a")
 @click.argument("b")
 @click.option("--atol", type=click.FloatRange(min=0), default=0.0, show_default=True,
@@ -186,7 +227,9 @@ def diff_command(a: str, b: str, atol: float, as_json: bool, storage_option: tup
     for e in d.added:
         say(out, f"added     {e['name']}: {_shape(e)} (only in B)")
     for v in d.values:
-        if v["change"] == "changed":
+        if v.get("container"):
+            say(out, f"value     {v['name']}: {v['a']} -> {v['b']}")
+        elif v["change"] == "changed":
             say(out, f"value     {v['name']}: {compact(v['a'])} -> {compact(v['b'])}")
         else:
             side = "a" if v["change"] == "removed" else "b"

@@ -13,8 +13,9 @@ from ..manager import CheckpointManager, step_folder
 from ..manifest import Manifest
 from ..storage import Storage
 from ..tensors import dtype_from_name, nbytes_of
-from ._common import (say, CliError, compact, console, decode, human_bytes, jsonable, leaf_values, locate,
-                      print_json, storage_option_flag, storage_options, table, text, when)
+from ..export import plain_values as leaf_values
+from ._common import (CliError, compact, console, decode, human_bytes, jsonable, locate, print_json, say,
+                      storage_option_flag, storage_options, table, text, when)
 
 STATUS = {"ok": "committed", "damaged": "corrupt", "incomplete": "incomplete"}
 STATUS_TEXT = {"committed": "committed", "corrupt": "CORRUPT", "incomplete": "incomplete save"}
@@ -54,7 +55,7 @@ def _rows(path: str, options: dict) -> list[dict[str, Any]]:
     return rows
 
 
-@click.command("ls")
+@click.command("ls", short_help="List the checkpoints of a run root with their status.")
 @click.argument("root")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON list (step, path, status, bytes, metrics, ...)")
 @storage_option_flag
@@ -108,7 +109,7 @@ def describe_checkpoint(storage: Storage, m: Manifest, select: str | None) -> di
             "metrics": jsonable(m.metrics)}
 
 
-@click.command("show")
+@click.command("show", short_help="Show the tensors, values and metadata of a checkpoint.")
 @click.argument("ckpt")
 @click.option("--json", "as_json", is_flag=True, help="print the description as JSON")
 @click.option("--select", metavar="PREFIX", help="only tensors and values whose name starts with PREFIX")
@@ -120,7 +121,7 @@ def show_command(ckpt: str, as_json: bool, select: str | None, storage_option: t
     CKPT is a checkpoint folder (local path or URL), e.g. run/step-000000100."""
     place = locate(ckpt, storage_options(storage_option))
     if place.kind == "root":
-        step, name = place.steps[-1]
+        name = place.steps[-1][1]
         raise CliError(f"{place.storage.url} is a run root of {len(place.steps)} checkpoint(s), not one "
                        f"checkpoint; show one of them, e.g. {place.storage.child(name).url}")
     m = read_committed(place.storage)

@@ -140,9 +140,12 @@ class AsyncSaver:
         return None
 
     def close(self) -> None:
-        self.wait()
-        self.pool.buffers.clear()
-        _live.discard(self)
+        """Wait for the save in flight (raising its unseen error) and free the buffers."""
+        try:
+            self.wait()
+        finally:
+            self.pool.buffers.clear()
+            _live.discard(self)
 
 
 def _raiser(exc: BaseException) -> Callable[[], FlatState]:

@@ -23,7 +23,7 @@ import torch
 
 import safeckpt
 from safeckpt.storage.local import LocalStorage
-from safeckpt.testing import Fault, FaultyStorage
+from safeckpt.testing import FaultyStorage
 
 from async_child import HERE as CHILD, AsyncForkServer, fill, read_log  # tests/helpers
 from save_child import make_state, make_template, state_mismatch

@@ -52,6 +52,10 @@ def _value(text: str) -> Any:
         return text
 
 
+_ALWAYS_STRINGS = {"key", "secret", "token", "password", "username", "profile", "account_name",
+                   "account_key", "sas_token", "endpoint_url"}  # a numeric secret stays a string
+
+
 def storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
     """``$SAFECKPT_STORAGE_OPTIONS`` (a JSON object), then each ``KEY=VALUE`` on top;
     a dotted key sets a nested option (``client_kwargs.region_name=eu-west-1``)."""
@@ -75,7 +79,7 @@ def storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise click.UsageError(f"--storage-option {key}: {part} is not a nested option")
-        node[leaf] = _value(text)
+        node[leaf] = text if leaf in _ALWAYS_STRINGS else _value(text)
     return options
 
 

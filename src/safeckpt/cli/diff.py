@@ -22,6 +22,14 @@ from ._common import (CliError, compact, console, decode, jsonable, locate, prin
 BLOCK = 1 << 22  # elements compared at a time
 
 
+class _Absent:
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+ABSENT = _Absent()
+
+
 @dataclass
 class TensorDiff:
     name: str
@@ -170,8 +178,8 @@ def diff_checkpoints(sa: Storage, sb: Storage, *, atol: float = 0.0) -> Diff:
     out.values.sort(key=lambda v: v["name"])
     for what, a, b in (("metadata", ma.metadata, mb.metadata), ("metrics", ma.metrics, mb.metrics)):
         for key in sorted(a.keys() | b.keys(), key=str):
-            if a.get(key, ...) != b.get(key, ...):
-                out.info.append({"name": f"{what}.{key}", "a": a.get(key), "b": b.get(key)})
+            if a.get(key, ABSENT) != b.get(key, ABSENT):
+                out.info.append({"name": f"{what}.{key}", "a": a.get(key, ABSENT), "b": b.get(key, ABSENT)})
     for lst in (out.removed, out.added, out.changed):
         lst.sort(key=lambda v: v["name"])
     return out
@@ -185,7 +193,7 @@ def _as_json(d: Diff) -> dict[str, Any]:
             "differ": [td(x) for x in d.differ], "within_tolerance": [td(x) for x in d.within_tolerance],
             "changed": d.changed, "added": d.added, "removed": d.removed,
             "values": [{k: jsonable(v) for k, v in x.items()} for x in d.values],
-            "info": [{k: jsonable(v) for k, v in x.items()} for x in d.info]}
+            "info": [{k: None if v is ABSENT else jsonable(v) for k, v in x.items()} for x in d.info]}
 
 
 def _shape(e: dict) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from ..checkpoint import read_committed
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from ..manager import CheckpointManager, step_folder
 from ..manifest import Manifest
 from ..storage import Storage
@@ -17,8 +17,10 @@ from ..export import plain_values as leaf_values
 from ._common import (CliError, compact, console, decode, human_bytes, jsonable, locate, print_json, say,
                       storage_option_flag, storage_options, table, text, when)
 
-STATUS = {"ok": "committed", "damaged": "corrupt", "incomplete": "incomplete"}
-STATUS_TEXT = {"committed": "committed", "corrupt": "CORRUPT", "incomplete": "incomplete save"}
+# the manager's verdicts (CheckpointManager._read) as shown here; unknown ones pass through
+STATUS = {"ok": "committed", "damaged": "corrupt", "incomplete": "incomplete", "newer": "newer"}
+STATUS_TEXT = {"committed": "committed", "corrupt": "CORRUPT", "incomplete": "incomplete save",
+               "newer": "newer format (upgrade safeckpt)"}
 
 
 def _row(storage: Storage, step: int | None, status: str, found: Manifest | str) -> dict[str, Any]:
@@ -45,13 +47,15 @@ def _rows(path: str, options: dict) -> list[dict[str, Any]]:
             return [_row(place.storage, None, "committed", read_committed(place.storage))]
         except CheckpointNotFoundError as exc:
             return [_row(place.storage, None, "incomplete", str(exc))]
+        except UnsupportedFormatError as exc:
+            return [_row(place.storage, None, "newer", str(exc))]
         except CorruptCheckpointError as exc:
             return [_row(place.storage, None, "corrupt", str(exc))]
     manager = CheckpointManager(place.storage)  # its listing and validity rules, nothing written
     rows = []
     for step in manager._step_folders():
         status, found = manager._read(step)
-        rows.append(_row(place.storage.child(step_folder(step)), step, STATUS[status], found))
+        rows.append(_row(place.storage.child(step_folder(step)), step, STATUS.get(status, status), found))
     return rows
 
 
@@ -74,14 +78,15 @@ def ls_command(root: str, as_json: bool, storage_option: tuple[str, ...]) -> int
     for r in rows:
         t.add_row(text("-" if r["step"] is None else r["step"]), text(when(r["created"])),
                   text(human_bytes(r["bytes"])), text(r["world_size"] or "-"),
-                  text(compact(r["metrics"]) if r["metrics"] else "-"), text(STATUS_TEXT[r["status"]]))
+                  text(compact(r["metrics"]) if r["metrics"] else "-"),
+                  text(STATUS_TEXT.get(r["status"], r["status"])))
     out.print(t)
     committed = sum(r["status"] == "committed" for r in rows)
     out.print(f"{len(rows)} checkpoint folder(s) in {root}: {committed} committed"
-              + "".join(f", {n} {s}" for s in ("corrupt", "incomplete")
+              + "".join(f", {n} {s}" for s in sorted({r["status"] for r in rows} - {"committed"})
                         if (n := sum(r["status"] == s for r in rows))))
     for r in rows:
-        if r["status"] == "corrupt":
+        if r["status"] not in ("committed", "incomplete"):
             say(out, f"  step {r['step']}: {r['problem']}")
     return 0
 

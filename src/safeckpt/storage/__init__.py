@@ -16,12 +16,15 @@ def open(url: "str | os.PathLike[str] | Storage", **storage_options) -> Storage:
     """The storage for a path, ``file://`` URL or (with the ``s3`` extra) any fsspec URL.
 
     ``storage_options`` go to the backend: for fsspec URLs to the filesystem (s3fs:
-    ``endpoint_url``, ``key``, ``secret``, ``client_kwargs``, ...)."""
+    ``endpoint_url``, ``key``, ``secret``, ``client_kwargs``, ...). Local paths take
+    only ``fs`` (see ``LocalStorage``) and ignore the rest, so code that passes its
+    object-store options everywhere also works with a local path."""
     if isinstance(url, Storage):
         return url
     text = os.fspath(url)
+    local = {k: v for k, v in storage_options.items() if k == "fs"}
     if text.startswith("file://"):
-        return LocalStorage(unquote(urlparse(text).path), **storage_options)
+        return LocalStorage(unquote(urlparse(text).path), **local)
     if "://" in text:
         try:
             from .fsspec import FsspecStorage
@@ -31,4 +34,4 @@ def open(url: "str | os.PathLike[str] | Storage", **storage_options) -> Storage:
             raise StorageError(f"no storage backend for {scheme}:// URLs ({text}); "
                                "object stores need the fsspec backend: pip install 'safeckpt[s3]'") from None
         return FsspecStorage(text, **storage_options)
-    return LocalStorage(text, **storage_options)
+    return LocalStorage(text, **local)

@@ -57,6 +57,27 @@ def timed(label: str, fn):
     return result
 
 
+def measure(kind: str, make, ranks: int, tensors: int) -> None:
+    """Time rank 0's planning for one kind of job."""
+    print(f"{kind}: {ranks} ranks x {tensors} tensors")
+    start = time.perf_counter()
+    per_rank = timed("describe pieces (input)", lambda: make(ranks, tensors))
+    plan_start = time.perf_counter()
+    writes = timed("assign writers", lambda: assign_writes(per_rank))
+    if kind == "sharded":
+        def coverage() -> None:
+            for t in range(tensors):
+                boxes = [(p.offsets, p.shape) for p in (per_rank[r][t] for r in range(ranks))]
+                check_coverage(per_rank[0][t].name, per_rank[0][t].global_shape, boxes)
+        timed("check shard coverage", coverage)
+    manifest = timed("build manifest", lambda: manifest_for(writes))
+    data = timed("encode manifest", lambda: encode_manifest(manifest))
+    total = time.perf_counter() - plan_start
+    print(f"  {'planning + manifest (rank 0)':<34} {total:7.2f} s   manifest {len(data) / 2**20:.0f} MiB,"
+          f" {sum(map(len, writes))} pieces written (of {sum(map(len, per_rank))} held)")
+    print(f"  {'total including input':<34} {time.perf_counter() - start:7.2f} s")
+
+
 def main() -> None:
     gc.disable()  # as safeckpt.save does: millions of small objects would trigger collections
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -64,24 +85,7 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=2000)
     args = ap.parse_args()
     for kind, make in (("sharded", sharded), ("replicated", replicated)):
-        print(f"{kind}: {args.ranks} ranks x {args.tensors} tensors")
-        start = time.perf_counter()
-        per_rank = timed("describe pieces (input)", lambda: make(args.ranks, args.tensors))
-        plan_start = time.perf_counter()
-        writes = timed("assign writers", lambda: assign_writes(per_rank))
-        if kind == "sharded":
-            def coverage() -> None:
-                for t in range(args.tensors):
-                    boxes = [(p.offsets, p.shape) for p in (per_rank[r][t] for r in range(args.ranks))]
-                    check_coverage(per_rank[0][t].name, per_rank[0][t].global_shape, boxes)
-            timed("check shard coverage", coverage)
-        manifest = timed("build manifest", lambda: manifest_for(writes))
-        data = timed("encode manifest", lambda: encode_manifest(manifest))
-        total = time.perf_counter() - plan_start
-        print(f"  {'planning + manifest (rank 0)':<34} {total:7.2f} s   manifest {len(data) / 2**20:.0f} MiB,"
-              f" {sum(map(len, writes))} pieces written (of {sum(map(len, per_rank))} held)")
-        del per_rank, writes, manifest, data
-        print(f"  {'total including input':<34} {time.perf_counter() - start:7.2f} s")
+        measure(kind, make, args.ranks, args.tensors)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ Usage (from the repository root):
 from __future__ import annotations
 
 import argparse
-import bisect
 import gc
 import json
 import os
@@ -40,366 +39,27 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
 import numpy as np
 import torch
 
-warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-
-MiB = 1 << 20
-RAW_CHUNK = 64 * MiB
-HERE = Path(__file__).resolve().parent
-
-
-# ----------------------------------------------------------------------------- states
-
-
-def make_large_state(total_mib: int, n: int, seed: int = 0) -> dict:
-    """~n fp32 matrices of 4096 columns (16 KiB rows) totalling about total_mib."""
-    g = torch.Generator().manual_seed(seed)
-    rows = max(1, (total_mib * MiB) // (n * 4096 * 4))
-    return {"model": {f"w{i:03d}": torch.randn(rows, 4096, generator=g) for i in range(n)}}
-
-
-def make_small_state(n: int, avg_kib: int, seed: int = 1) -> dict:
-    """n optimizer-like fp32 tensors (exp_avg / exp_avg_sq pairs) of 1/4..7/4 x avg_kib."""
-    g = torch.Generator().manual_seed(seed)
-    base = avg_kib * 256 // 4  # numel of avg_kib/4 KiB
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for i in range(n):
-        numel = base * (1 + (i * 7919) % 7)  # deterministic spread, mean 4*base
-        state.setdefault(f"p{i // 2:05d}", {})["exp_avg" if i % 2 == 0 else "exp_avg_sq"] = (
-            torch.randn(numel, generator=g)
-        )
-    return {"optim": {"state": state}}
-
-
-def flatten(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Nested dicts of tensors -> {"a.b.c": tensor} (already-flat dicts pass through)."""
-    out: dict[str, torch.Tensor] = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(flatten(v, f"{prefix}{k}."))
-    elif isinstance(obj, torch.Tensor):
-        out[prefix[:-1]] = obj
-    return out
-
-
-def state_nbytes(state: dict) -> int:
-    return sum(t.nbytes for t in flatten(state).values())
-
-
-def empty_like_state(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: empty_like_state(v) for k, v in obj.items()}
-    return torch.zeros_like(obj) if isinstance(obj, torch.Tensor) else obj
-
-
-def check_equal(expected: dict, got: Any) -> None:
-    a, b = flatten(expected), flatten(got)
-    if a.keys() != b.keys():
-        missing, extra = sorted(a.keys() - b.keys())[:3], sorted(b.keys() - a.keys())[:3]
-        raise AssertionError(f"keys differ: missing {missing}, unexpected {extra}")
-    for k, t in a.items():
-        if not torch.equal(t, b[k]):
-            raise AssertionError(f"tensor {k!r} differs after load")
-
-
-# ----------------------------------------------------------------------------- disk helpers
-
-
-def fsync_tree(path: Path) -> None:
-    """fsync every file under path (or path itself), then the folders, then the parent."""
-    dirs = [path.parent]
-    if path.is_dir():
-        for root, _, files in os.walk(path):
-            dirs.append(Path(root))
-            for name in files:
-                _fsync(Path(root, name), os.O_RDONLY)
-    else:
-        _fsync(path, os.O_RDONLY)
-    for d in dirs:
-        _fsync(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-
-
-def _fsync(path: Path, flags: int) -> None:
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def remove(path: Path) -> None:
-    """Delete a checkpoint (file or folder) if it exists."""
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def disk_usage(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def drop_page_cache() -> bool:
-    """Flush dirty pages and drop the page cache; False when not permitted (warm cache)."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def dirty_mib() -> float:
-    """System-wide Dirty + Writeback pages: what a 'save' left unflushed."""
-    try:
-        vals = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                k, v = line.split(":")
-                vals[k] = int(v.split()[0])
-        return (vals.get("Dirty", 0) + vals.get("Writeback", 0)) / 1024
-    except OSError:
-        return float("nan")
-
-
-def filesystem_of(path: Path) -> dict:
-    """Mount point, device and type of the filesystem holding path (longest /proc/mounts match)."""
-    path_s = str(path.resolve())
-    best = {"mount": "", "device": "?", "fstype": "?"}
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                dev, mnt, fstype = line.split()[:3]
-                mnt = mnt.replace("\\040", " ")
-                inside = path_s == mnt or path_s.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best["mount"]):
-                    best = {"mount": mnt, "device": dev, "fstype": fstype}
-    except OSError:
-        pass
-    st = os.statvfs(path)
-    best["free_gib"] = round(st.f_bavail * st.f_frsize / 2**30, 1)
-    return best
-
-
-class FileBackedDetector:
-    """Tells whether a tensor's memory is a file mapping (lazy mmap load) via /proc/self/maps."""
-
-    def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.rows: list[tuple[int, int, bool]] = []
-        try:
-            with open("/proc/self/maps") as f:
-                for line in f:
-                    parts = line.split(maxsplit=5)
-                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                    name = parts[5].strip() if len(parts) > 5 else ""
-                    file_backed = name.startswith("/") and not name.startswith("/dev/zero")
-                    self.starts.append(lo)
-                    self.rows.append((lo, hi, file_backed))
-        except OSError:
-            pass
-
-    def __call__(self, t: torch.Tensor) -> bool:
-        ptr = t.data_ptr()
-        i = bisect.bisect_right(self.starts, ptr) - 1
-        return i >= 0 and self.rows[i][0] <= ptr < self.rows[i][1] and self.rows[i][2]
-
-
-def touch_if_lazy(result: Any) -> bool:
-    """Fault in every page of mmap-backed tensors; True if any were lazy."""
-    tensors = [t for t in flatten(result).values() if t.numel()]
-    is_file = FileBackedDetector()
-    lazy = [t for t in tensors if is_file(t)]
-    for t in lazy:
-        t.reshape(-1).view(torch.uint8)[::4096].sum()
-    return bool(lazy)
-
-
-# ----------------------------------------------------------------------------- tools
-# A writer saves `state` at `path` (a file or a folder it creates).  A loader reads
-# `path` back and returns a new state, or fills ctx.dest in place and returns None.
-
-
-@dataclass
-class Ctx:
-    state: dict
-    dest: dict  # preallocated, same structure: the target of in-place loads
-    raw_buf: np.ndarray  # preallocated target of the raw read
-    nbytes: int
-    raw_src: memoryview = field(  # what the raw write writes, made outside the timing
-        default_factory=lambda: memoryview(np.random.default_rng(0).integers(0, 256, RAW_CHUNK, dtype=np.uint8)))
-
-
-def raw_write(ctx: Ctx, path: Path) -> None:
-    """Physical limit: sequential os.write of 64 MiB buffers, then os.fsync."""
-    buf = ctx.raw_src
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        left = ctx.nbytes
-        while left:
-            left -= os.write(fd, buf[: min(left, RAW_CHUNK)])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def raw_read(ctx: Ctx, path: Path) -> None:
-    """Physical limit: read the same bytes into a preallocated buffer."""
-    view = memoryview(ctx.raw_buf)
-    with open(path, "rb", buffering=0) as f:
-        off = 0
-        while off < ctx.nbytes:
-            n = f.readinto(view[off : off + RAW_CHUNK])
-            if not n:
-                raise EOFError(f"{path}: short read at {off}")
-            off += n
-
-
-def safeckpt_save(ctx: Ctx, path: Path) -> None:
-    import safeckpt
-
-    safeckpt.save(ctx.state, str(path))
-
-
-def safeckpt_load(ctx: Ctx, path: Path) -> None:
-    import safeckpt
-
-    safeckpt.load(ctx.dest, str(path))
-
-
-def safeckpt_load_state(ctx: Ctx, path: Path) -> dict:
-    import safeckpt
-
-    return safeckpt.load_state(str(path))
-
-
-def torch_save(ctx: Ctx, path: Path) -> None:
-    torch.save(ctx.state, path)
-
-
-def torch_load(ctx: Ctx, path: Path) -> dict:
-    return torch.load(path, weights_only=True)
-
-
-def torch_load_mmap(ctx: Ctx, path: Path) -> dict:
-    return torch.load(path, weights_only=True, mmap=True)
-
-
-def safetensors_save(ctx: Ctx, path: Path) -> None:
-    from safetensors.torch import save_file
-
-    save_file(flatten(ctx.state), path)
-
-
-def safetensors_load(ctx: Ctx, path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(path)
-
-
-def dcp_save(ctx: Ctx, path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(ctx.state, checkpoint_id=str(path))  # FileSystemWriter(sync_files=True)
-
-
-def dcp_load(ctx: Ctx, path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.load(ctx.dest, checkpoint_id=str(path))
-
-
-@dataclass
-class Loader:
-    name: str
-    fn: Callable[[Ctx, Path], Any]
-    in_place: bool
-
-
-@dataclass
-class Tool:
-    name: str  # also the save op's name
-    save: Callable[[Ctx, Path], None]
-    suffix: str  # file name suffix of what save writes ("" = folder)
-    self_fsync: str
-    loaders: list[Loader] = field(default_factory=list)
-    skip: str | None = None  # reason the tool is unavailable
-
-
-def setup_dcp() -> str:
-    """dcp runs without a process group in recent torch; else init a gloo group of 1."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    with tempfile.TemporaryDirectory() as d:
-        try:
-            dcp.save({"x": torch.zeros(2)}, checkpoint_id=d)
-            return "no process group"
-        except Exception:
-            store = dist.FileStore(os.path.join(d, "store"), 1)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-            return "gloo group of 1 (FileStore)"
-
-
-def make_tools(only: set[str] | None) -> list[Tool]:
-    try:
-        import safeckpt  # noqa: F401
-
-        missing = [f for f in ("save", "load", "load_state") if not hasattr(safeckpt, f)]
-        sk_skip = f"safeckpt lacks {missing}" if missing else None
-    except Exception as e:  # still being written
-        sk_skip = f"import safeckpt failed: {e!r}"
-    try:
-        import safetensors  # noqa: F401
-
-        st_skip = None
-    except ImportError:
-        st_skip = "safetensors not installed"
-    tools = [
-        Tool("raw write+fsync", raw_write, ".bin", "yes",
-             [Loader("raw read", raw_read, True)]),
-        Tool("safeckpt.save", safeckpt_save, "", "yes (by design)",
-             [Loader("safeckpt.load (in place)", safeckpt_load, True),
-              Loader("safeckpt.load_state", safeckpt_load_state, False)], sk_skip),
-        Tool("torch.save", torch_save, ".pt", "no, harness does",
-             [Loader("torch.load", torch_load, False),
-              Loader("torch.load(mmap=True)", torch_load_mmap, False)]),
-        Tool("safetensors.save_file", safetensors_save, ".safetensors", "no, harness does",
-             [Loader("safetensors.load_file", safetensors_load, False)], st_skip),
-        Tool("dcp.save", dcp_save, "", "yes (sync_files)",
-             [Loader("dcp.load (in place)", dcp_load, True)]),
-    ]
-    if only:
-        tools = [t for t in tools if t.name.split(".")[0].split(" ")[0] in only or t.name.startswith("raw")]
-    return tools
-
-
-# ----------------------------------------------------------------------------- timing
-
-
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
-
-
-def summary(times: list[float]) -> dict:
-    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-            "runs_s": times}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (HERE, MiB, Ctx, Tool, check_equal, cpu_snapshot, default_dir,  # noqa: E402
+                    dirty_mib, disk_usage, drop_page_cache, empty_like_state, filesystem_of, flatten,
+                    fmt_s, fsync_tree, make_large_state, make_small_state, make_tools,
+                    other_cpu_share, proc_status, raw_read, raw_write, remove, safeckpt_save,
+                    safetensors_save, setup_dcp, source_fingerprint, state_nbytes, summary, timed,
+                    torch_save, dcp_save, touch_if_lazy)
+
+# ----------------------------------------------------------------------------- one state
 
 
 def run_case(case: str, state: dict, tools: list[Tool], repeat: int, workdir: Path,
-             can_drop: list[bool], verify: bool) -> dict:
+             can_drop: list[bool], verify: bool, slow_op_s: float | None = None) -> dict:
+    """Every tool saves and loads ``state`` ``repeat`` times (see the module docstring).
+    With ``slow_op_s``, a tool whose first save took longer than that is not repeated
+    (its row says "1 run"): a peer 10x slower than the rest needs no three-run median."""
     nbytes = state_nbytes(state)
     ctx = Ctx(state, empty_like_state(state), np.zeros(nbytes, dtype=np.uint8), nbytes)
     # Untimed warm-up: the first write of a run is often slower (fresh page-cache pages,
@@ -410,9 +70,10 @@ def run_case(case: str, state: dict, tools: list[Tool], repeat: int, workdir: Pa
     warm.unlink()
     os.sync()
     res: dict[str, dict] = {}
+    slow: set[str] = set()
     for r in range(repeat):
         for tool in tools:
-            if tool.skip:
+            if tool.skip or tool.name in slow:
                 continue
             path = workdir / f"{case}-{tool.name.split()[0]}-{r}{tool.suffix}"
             rec = res.setdefault(tool.name, {"kind": "save", "self_fsync": tool.self_fsync,
@@ -427,6 +88,8 @@ def run_case(case: str, state: dict, tools: list[Tool], repeat: int, workdir: Pa
                 rec["call_s"].append(t_call)
                 rec["fsync_s"].append(t_sync)
                 rec["disk_bytes"] = disk_usage(path)
+                if slow_op_s is not None and r == 0 and t_call + t_sync > slow_op_s and not tool.name.startswith("raw"):
+                    slow.add(tool.name)
             except Exception as e:
                 rec["error"] = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
@@ -463,6 +126,9 @@ def run_case(case: str, state: dict, tools: list[Tool], repeat: int, workdir: Pa
             os.sync()  # absorb delete/discard work before the next timing
             print(f"  [{case} r{r + 1}/{repeat}] {tool.name}: done", file=sys.stderr, flush=True)
     for name, rec in res.items():
+        writer = name if rec["kind"] == "save" else rec["writer"]
+        if writer in slow and repeat > 1:
+            rec["single_run"] = f"1 run: its save took > {slow_op_s:g} s"
         if rec["kind"] == "save" and rec["call_s"]:
             totals = [a + b for a, b in zip(rec["call_s"], rec["fsync_s"])]
             rec.update(summary(totals))
@@ -517,17 +183,6 @@ def rss_child(args: argparse.Namespace) -> None:
                       "status_before": before, "status_after": after}))
 
 
-def proc_status() -> dict[str, int]:
-    """Vm*/Rss* lines of /proc/self/status, in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k.startswith(("Vm", "Rss")) and v.strip().endswith("kB"):
-                out[k] = int(v.split()[0]) * 1024
-    return out
-
-
 def measure_rss(tool: str, args: argparse.Namespace, workdir: Path) -> dict:
     path = workdir / f"rss-{tool.split('.')[0]}"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_rss-child", tool,
@@ -542,10 +197,6 @@ def measure_rss(tool: str, args: argparse.Namespace, workdir: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------- report
-
-
-def fmt_s(x: float) -> str:
-    return f"{x:.3f}" if x < 10 else f"{x:.1f}"
 
 
 def case_table(name: str, case: dict) -> str:
@@ -567,6 +218,8 @@ def case_table(name: str, case: dict) -> str:
         else:
             note = "in place" if rec["in_place"] else ("lazy mmap, pages touched" if rec["lazy"] else "new tensors")
             extra = (note, "", "")
+        if rec.get("single_run"):
+            extra = (f"{extra[0]}; **{rec['single_run']}**", *extra[1:])
         lines.append(f"| {op} | {extra[0]} | {fmt_s(rec['median_s'])} | {fmt_s(rec['min_s'])}–{fmt_s(rec['max_s'])}"
                      f" | {nbytes / rec['median_s'] / 1e9:.2f} | {ratio} | {best} | {extra[1]} | {extra[2]} |")
     lines.append("")
@@ -628,47 +281,6 @@ def report(result: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- main
-
-
-def cpu_snapshot() -> tuple[float, float, float]:
-    """(busy CPU seconds of the whole machine, CPU seconds of this process and its children, wall)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
-    except (OSError, ValueError):
-        busy = float("nan")
-    t = os.times()
-    return busy, t.user + t.system + t.children_user + t.children_system, time.monotonic()
-
-
-def other_cpu_share(start: tuple[float, float, float]) -> float:
-    """Share of the machine's CPU time that other processes used since ``start``:
-    a busy neighbour makes every timing here unreliable."""
-    end = cpu_snapshot()
-    wall = end[2] - start[2]
-    other = (end[0] - start[0]) - (end[1] - start[1])
-    return round(max(0.0, other) / (wall * (os.cpu_count() or 1)), 3) if wall > 0 else 0.0
-
-
-def source_fingerprint() -> str:
-    """sha256 (12 hex) of safeckpt's .py files, to tie results to a version of the code."""
-    import hashlib
-
-    try:
-        import safeckpt
-    except Exception:
-        return "unavailable"
-    h = hashlib.sha256()
-    root = Path(safeckpt.__file__).parent
-    for p in sorted(root.rglob("*.py")):
-        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
-    return f"{h.hexdigest()[:12]} ({root})"
-
-
-def default_dir() -> Path:
-    """A folder on the filesystem of the current directory (not /tmp, often tmpfs)."""
-    return Path.cwd()
 
 
 def parse_args() -> argparse.Namespace:

@@ -9,7 +9,7 @@ verification on, every block a read touches is read whole and checked.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,7 @@ from .tensors import byte_view, dtype_from_name
 
 COALESCE_BELOW = 1 << 20
 COALESCE_MAX = 16 << 20
+READ_THREADS = 4
 
 
 @dataclass
@@ -111,31 +112,41 @@ class TensorReader:
 
     # -- execution -------------------------------------------------------------------
     def _execute(self, jobs: list[_Job]) -> None:
+        """Read (and check) runs of jobs on a few threads: reads release the GIL, and on
+        object stores each one is a round trip worth overlapping."""
         jobs.sort(key=lambda j: (j.chunk.file, j.chunk.start))
-        with ThreadPoolExecutor(1, thread_name_prefix="safeckpt-verify") as hasher:
-            checks: list[Future] = []  # large reads are checked while the next one runs
-            i = 0
-            while i < len(jobs):
-                run = [jobs[i]]
-                size = len(jobs[i].out)
-                while (i + len(run) < len(jobs) and size < COALESCE_MAX and len(run[-1].out) < COALESCE_BELOW
-                       and (nxt := jobs[i + len(run)]).whole and run[-1].whole
-                       and nxt.chunk.file == run[-1].chunk.file and nxt.chunk.start == run[-1].chunk.end
-                       and len(nxt.out) < COALESCE_BELOW):
-                    run.append(nxt)
-                    size += len(nxt.out)
-                i += len(run)
-                if len(run) > 1:
-                    self._read_coalesced(run, size)
-                elif not run[0].whole:
-                    self._read_partial(run[0])
-                else:
-                    job = run[0]
-                    self._read_into(job.chunk.file, job.chunk.start, job.out)
-                    if self.verify:
-                        checks.append(hasher.submit(self._check_blocks, job.name, job.chunk, job.out))
-            for check in checks:
-                check.result()
+        below = getattr(self.storage, "merge_reads_below", COALESCE_BELOW)
+        most = max(COALESCE_MAX, 2 * below)
+        runs: list[list[_Job]] = []
+        i = 0
+        while i < len(jobs):
+            run = [jobs[i]]
+            size = len(jobs[i].out)
+            while (i + len(run) < len(jobs) and size < most and len(run[-1].out) < below
+                   and (nxt := jobs[i + len(run)]).whole and run[-1].whole
+                   and nxt.chunk.file == run[-1].chunk.file and nxt.chunk.start == run[-1].chunk.end
+                   and len(nxt.out) < below):
+                run.append(nxt)
+                size += len(nxt.out)
+            i += len(run)
+            runs.append(run)
+        if len(runs) == 1:
+            self._read_run(runs[0])
+            return
+        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="safeckpt-read") as pool:
+            for future in [pool.submit(self._read_run, run) for run in runs]:
+                future.result()
+
+    def _read_run(self, run: list[_Job]) -> None:
+        if len(run) > 1:
+            self._read_coalesced(run, sum(len(j.out) for j in run))
+        elif not run[0].whole:
+            self._read_partial(run[0])
+        else:
+            job = run[0]
+            self._read_into(job.chunk.file, job.chunk.start, job.out)
+            if self.verify:
+                self._check_blocks(job.name, job.chunk, job.out)
 
     def _read_coalesced(self, run: list[_Job], size: int) -> None:
         buf = memoryview(bytearray(size))

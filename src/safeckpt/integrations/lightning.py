@@ -123,7 +123,7 @@ class SafeCheckpointIO(CheckpointIO):
         if self._saver is None:
             self._saver = AsyncSaver()
         try:
-            self._saver.submit(checkpoint, request, on_done=lambda info: self._after_commit(folder, info))
+            self._saver.submit(checkpoint, request, on_done=lambda info, blocked: self._after_commit(folder, info))
         except UnsafeObjectError as exc:
             raise UnsafeObjectError(f"cannot save the Lightning checkpoint {url}: {exc}. {_UNSAFE_HINT}") from exc
 

@@ -23,6 +23,9 @@ class Storage(ABC):
     atomic_write: bool = False
     #: ``write_file(..., exclusive=True)`` is enforced by the backend, not just checked first
     exclusive_create: bool = True
+    #: adjacent reads smaller than this are merged into one request (object stores pay a
+    #: round trip per request, local disks only a system call)
+    merge_reads_below: int = 1 << 20
 
     url: str
 

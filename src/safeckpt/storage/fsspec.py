@@ -128,6 +128,7 @@ class FsspecStorage(Storage):
     """A folder (key prefix) on any fsspec filesystem; S3 gets a direct, conditional path."""
 
     atomic_write = True  # an object appears whole, on the completion of its PUT
+    merge_reads_below = 32 << 20  # a ranged GET costs a round trip: fetch neighbours together
     exclusive_create = True  # S3: If-None-Match; others: fsspec "xb" (see ``__init__``)
 
     def __init__(self, url: str | None = None, *, fs: Any = None, path: str | None = None,

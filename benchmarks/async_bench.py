@@ -1,0 +1,354 @@
+#!/usr/bin/env python
+"""Async saves: how long the caller is blocked, and what a background save costs a
+CPU-bound Python loop running on the main thread meanwhile.
+
+For a state, each repeat times, in this order:
+* ``memcopy``: a plain copy of every tensor into preallocated host memory (the floor
+  of any snapshot; the buffers are allocated and touched outside the timing), 3 times;
+* ``safeckpt.async_save`` and ``dcp.async_save``: the wall time of the call (the
+  caller is blocked until it returns), then a pure-Python loop spins on the main
+  thread while the background save runs, for at most --window seconds ("with save"),
+  and the same loop spins alone for about as long just before and just after ("alone";
+  the mean of the two, so slow drift of a shared machine cancels out). After the
+  window the caller just waits for the commit.
+* a control run (safeckpt only): the same save while the same loop runs in *another
+  process* and the main thread sleeps. That loop shares no GIL with the save, so its
+  slowdown is what the save costs through the CPU alone (on a 2-core machine that is
+  busy with other work, no core is free for the writer). The rest of the in-process
+  slowdown is the GIL.
+
+Slowdown = 1 - (iterations/s with save) / (iterations/s alone). safeckpt's first call
+is a warm-up, reported apart ("first call"): it allocates its reusable staging buffers
+then. DCP's default stager allocates on every call, so it gets no warm-up.
+
+Standalone: ``python benchmarks/async_bench.py [--quick]``; ``run_all.py`` runs it as
+part of the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import struct
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (HERE, MiB, default_dir, flatten, make_large_state, make_small_state,  # noqa: E402
+                    remove, state_nbytes, summary)
+
+SPIN_CHUNK = 2000  # loop iterations between two checks of the stop condition (~0.1 ms)
+MEMCOPY_PER_REPEAT = 3
+
+
+def spin(until: Callable[[], bool]) -> tuple[int, float]:
+    """The CPU-bound "training step": pure Python arithmetic, holding the GIL, until
+    ``until()`` is true. Returns (iterations, seconds)."""
+    n = 0
+    t0 = time.perf_counter()
+    while not until():
+        x = 0
+        for i in range(SPIN_CHUNK):
+            x += i * i
+        n += SPIN_CHUNK
+    return n, time.perf_counter() - t0
+
+
+def spin_for(seconds: float) -> tuple[int, float]:
+    deadline = time.perf_counter() + seconds
+    return spin(lambda: time.perf_counter() >= deadline)
+
+
+class MemCopy:
+    """A plain copy of the state's tensors into preallocated (and touched) host memory."""
+
+    def __init__(self, state: dict) -> None:
+        srcs = list(flatten(state).values())
+        self.pairs = [(torch.empty_like(t), t) for t in srcs]
+        for d, _ in self.pairs:
+            d.zero_()  # first-touch the pages outside the timing
+
+    def __call__(self) -> None:
+        for d, s in self.pairs:
+            d.copy_(s)
+
+
+def start_safeckpt(state: dict, path: Path) -> Any:
+    import safeckpt
+
+    return safeckpt.async_save(state, str(path))
+
+
+def start_dcp(state: dict, path: Path) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.async_save(state, checkpoint_id=str(path))
+
+
+ASYNC_TOOLS: dict[str, Callable[[dict, Path], Any]] = {
+    "safeckpt.async_save": start_safeckpt,
+    "dcp.async_save": start_dcp,
+}
+# tools whose first call differs from the next ones (safeckpt allocates its reusable
+# staging buffers then); DCP's default stager allocates on every call, so it gets none
+WARM_UP = {"safeckpt.async_save"}
+
+
+class ChildSpinner:
+    """The same CPU-bound loop in another process (no shared GIL), counting into a
+    shared 8-byte mapping: its slowdown while a save runs is CPU contention alone."""
+
+    CODE = """
+import mmap, struct, sys
+f = open(sys.argv[1], "r+b")
+m = mmap.mmap(f.fileno(), 8)
+n = 0
+while True:
+    x = 0
+    for i in range({chunk}):
+        x += i * i
+    n += {chunk}
+    struct.pack_into("q", m, 0, n)
+"""
+
+    def __enter__(self) -> "ChildSpinner":
+        import mmap
+        import subprocess
+
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.file = tempfile.NamedTemporaryFile(prefix="safeckpt-spin-", dir=folder)
+        self.file.write(b"\0" * 8)
+        self.file.flush()
+        self.map = mmap.mmap(self.file.fileno(), 8)
+        self.proc = subprocess.Popen([sys.executable, "-c", self.CODE.format(chunk=SPIN_CHUNK), self.file.name])
+        deadline = time.monotonic() + 30
+        while self.count() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self
+
+    def count(self) -> int:
+        return struct.unpack_from("q", self.map, 0)[0]
+
+    def rate_during(self, wait: Callable[[], None]) -> tuple[float, float]:
+        """(iterations/s of the child, seconds) while ``wait()`` runs."""
+        c0, t0 = self.count(), time.perf_counter()
+        wait()
+        return (self.count() - c0) / max(1e-9, time.perf_counter() - t0), time.perf_counter() - t0
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.map.close()
+        self.file.close()
+
+
+def one_async(start: Callable[[dict, Path], Any], state: dict, path: Path, alone_s: float,
+              window_s: float) -> dict:
+    """One async save with the loop on the main thread: the loop spins before the save,
+    from the save's return for at most ``window_s`` (then the caller just waits for the
+    commit, so a slow save does not stretch the run), and after it."""
+    os.sync()
+    gc.collect()
+    n0, s0 = spin_for(alone_s)
+    t0 = time.perf_counter()
+    fut = start(state, path)
+    blocked = time.perf_counter() - t0
+    until = time.perf_counter() + window_s
+    n1, s1 = spin(lambda: fut.done() or time.perf_counter() >= until)
+    fut.result()
+    total = time.perf_counter() - t0
+    n2, s2 = spin_for(alone_s)
+    alone, busy = (n0 + n2) / (s0 + s2), n1 / s1 if s1 > 0 else float("nan")
+    rec = {"blocked_s": blocked, "total_s": total, "window_s": s1, "alone_it_s": alone,
+           "with_save_it_s": busy, "slowdown": 1 - busy / alone if s1 > 0 else float("nan")}
+    reported = getattr(fut, "blocked_seconds", None)
+    if reported is not None:
+        rec["reported_blocked_s"] = reported
+    return rec
+
+
+def one_control(start: Callable[[dict, Path], Any], state: dict, path: Path, alone_s: float,
+                window_s: float) -> dict:
+    """The same save with the loop in another process and the main thread idle."""
+    os.sync()
+    gc.collect()
+    with ChildSpinner() as child:
+        a0, d0 = child.rate_during(lambda: time.sleep(alone_s))
+        fut = start(state, path)
+        busy, _ = child.rate_during(lambda: _wait(fut, window_s))
+        fut.result()
+        a1, d1 = child.rate_during(lambda: time.sleep(alone_s))
+    alone = (a0 * d0 + a1 * d1) / (d0 + d1)
+    return {"alone_it_s": alone, "with_save_it_s": busy, "slowdown": 1 - busy / alone}
+
+
+def _wait(fut: Any, window_s: float) -> None:
+    try:
+        fut.result(timeout=window_s)
+    except Exception:  # noqa: BLE001 - a timeout here only ends the window; errors surface later
+        pass
+
+
+def run_async_case(case: str, state: dict, repeat: int, workdir: Path, tools: list[str] | None = None,
+                   max_alone_s: float = 1.0, window_s: float = 2.0,
+                   control_tools: tuple[str, ...] = ("safeckpt.async_save",)) -> dict:
+    """Blocked time and main-loop slowdown for one state; see the module docstring."""
+    tools = tools or list(ASYNC_TOOLS)
+    nbytes = state_nbytes(state)
+    copy = MemCopy(state)
+    copy()  # warm
+    res: dict[str, Any] = {"bytes": nbytes, "n_tensors": len(copy.pairs), "memcopy_s": [], "tools": {},
+                           "window_s": window_s}
+    for r in range(repeat + 1):  # r == 0: safeckpt's first call (allocates its staging buffers)
+        gc.collect()
+        for _ in range(MEMCOPY_PER_REPEAT):  # cheap, and the floor deserves a good estimate
+            t0 = time.perf_counter()
+            copy()
+            if r:
+                res["memcopy_s"].append(time.perf_counter() - t0)
+        for tool in tools:
+            rec = res["tools"].setdefault(tool, {"runs": [], "control": [], "first": None, "error": None})
+            if rec["error"] or (r == 0 and tool not in WARM_UP):
+                continue
+            path = workdir / f"async-{case}-{tool.split('.')[0]}-{r}"
+            alone_s = min(max_alone_s, window_s)
+            try:
+                one = one_async(ASYNC_TOOLS[tool], state, path, alone_s, window_s)
+                if r:
+                    rec["runs"].append(one)
+                else:
+                    rec["first"] = one
+                remove(path)
+                if r and tool in control_tools:
+                    rec["control"].append(one_control(ASYNC_TOOLS[tool], state, path, alone_s, window_s))
+            except Exception as e:
+                rec["error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            finally:
+                remove(path)
+                os.sync()
+            print(f"  [async {case} r{r}/{repeat}] {tool}: done", file=sys.stderr, flush=True)
+    del copy
+    res["memcopy"] = summary(res.pop("memcopy_s"))
+    for tool, rec in res["tools"].items():
+        runs = rec["runs"]
+        if not runs:
+            continue
+        rec["blocked"] = summary([x["blocked_s"] for x in runs])
+        rec["total"] = summary([x["total_s"] for x in runs])
+        for key, src in (("slowdown", runs), ("control_slowdown", rec["control"])):
+            sl = [x["slowdown"] for x in src]
+            if sl:
+                rec[key] = {"median": statistics.median(sl), "min": min(sl), "max": max(sl), "runs": sl}
+    release_staging()
+    return res
+
+
+def release_staging() -> None:
+    """Free safeckpt's reusable staging buffers (one copy of the state) once done."""
+    try:
+        import safeckpt.asyncsave as sa
+
+        saver = getattr(sa, "_default", None)
+        if saver is not None:
+            saver.close()
+    except Exception:  # noqa: BLE001 - best effort: memory, not correctness
+        pass
+    gc.collect()
+
+
+def async_table(cases: dict[str, dict], sync_save_s: dict[str, float] | None = None) -> str:
+    """Markdown: blocked time vs memcopy and DCP, and the main-loop slowdown."""
+    sync_save_s = sync_save_s or {}
+    lines = ["### async save: time the caller is blocked", "",
+             "| state | MiB | tensors | op | blocked s median | min–max | × memcopy | × memcopy (best) "
+             "| × dcp.async_save | first call s | commit after s | × sync save |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, c in cases.items():
+        mc = c["memcopy"]["median_s"]
+        dcp_b = c["tools"].get("dcp.async_save", {}).get("blocked", {}).get("median_s")
+        mc_vs_dcp = f"{mc / dcp_b:.2f}" if dcp_b else "–"
+        lines.append(f"| {name} | {c['bytes'] / MiB:,.0f} | {c['n_tensors']:,} | memcopy (preallocated) | "
+                     f"{mc:.3f} | {c['memcopy']['min_s']:.3f}–{c['memcopy']['max_s']:.3f} | 1.00 | 1.00 | "
+                     f"{mc_vs_dcp} |  |  |  |")
+        for tool, rec in c["tools"].items():
+            if "blocked" not in rec:
+                lines.append(f"| {name} | | | {tool} | ERROR: {rec.get('error')} | | | | | | | |")
+                continue
+            b = rec["blocked"]
+            vs_dcp = f"{b['median_s'] / dcp_b:.2f}" if dcp_b else "–"
+            sync = sync_save_s.get(name)
+            first = f"{rec['first']['blocked_s']:.3f}" if rec.get("first") else "–"
+            lines.append(f"| {name} | | | {tool} | {b['median_s']:.3f} | {b['min_s']:.3f}–{b['max_s']:.3f} | "
+                         f"{b['median_s'] / mc:.2f} | {b['min_s'] / c['memcopy']['min_s']:.2f} | {vs_dcp} | "
+                         f"{first} | {rec['total']['median_s']:.3f} | "
+                         + (f"{b['median_s'] / sync:.2f} |" if sync else "– |"))
+    lines += ["", "× memcopy = median blocked ÷ median memcopy; (best) = fastest ÷ fastest, less sensitive to a "
+              "busy machine; commit after = from the call to the commit (the loop spins during the first "
+              "seconds of it); × sync save = blocked ÷ median safeckpt.save of the same state.", "",
+              "### async save: slowdown of a CPU-bound Python loop on the main thread while the "
+              "background save runs", "",
+              "| state | op | loop it/s alone | loop it/s with save | slowdown median | min–max | "
+              "same loop in another process: slowdown (CPU only) | ≈ due to the GIL | window s |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, c in cases.items():
+        for tool, rec in c["tools"].items():
+            if "slowdown" not in rec:
+                continue
+            runs = rec["runs"]
+            alone = statistics.median(x["alone_it_s"] for x in runs)
+            busy = statistics.median(x["with_save_it_s"] for x in runs)
+            s = rec["slowdown"]
+            ctl = rec.get("control_slowdown")
+            ctl_s = f"{ctl['median']:.1%} ({ctl['min']:.1%}–{ctl['max']:.1%})" if ctl else "–"
+            gil = f"{s['median'] - ctl['median']:.1%}" if ctl else "–"
+            win = statistics.median(x["window_s"] for x in runs)
+            lines.append(f"| {name} | {tool} | {alone / 1e6:.2f} M | {busy / 1e6:.2f} M | {s['median']:.1%} | "
+                         f"{s['min']:.1%}–{s['max']:.1%} | {ctl_s} | {gil} | {win:.2f} |")
+    lines += ["", "The loop runs while the save runs, for at most the window; the control runs the same loop in "
+              "another process while the same save runs (no shared GIL): its slowdown is CPU contention alone, "
+              "the difference ≈ the GIL held by the save's Python code.", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--size-mib", type=int, default=1024)
+    p.add_argument("--n-small", type=int, default=20000)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--window", type=float, default=2.0, help="seconds the loop spins during a save (max)")
+    p.add_argument("--dir", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=HERE / "results" / "async.json")
+    args = p.parse_args()
+    if args.quick:
+        args.size_mib, args.n_small, args.repeat, args.window = 16, 500, 1, 0.3
+    base = (args.dir or default_dir()).resolve()
+    workdir = Path(tempfile.mkdtemp(prefix=".safeckpt-bench-", dir=base))
+    try:
+        cases = {}
+        for name, make in (("large", lambda: make_large_state(args.size_mib, 50)),
+                           ("small", lambda: make_small_state(args.n_small, 8))):
+            cases[name] = run_async_case(name, make(), args.repeat, workdir, max_alone_s=min(1.0, args.window),
+                                         window_s=args.window)
+    finally:
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(async_table(cases))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(cases, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -514,3 +514,20 @@ def freeze_heap() -> None:
 
     gc.collect()
     gc.freeze()
+
+
+def preflight(base, need_bytes: float) -> bool:
+    """Warn when the target is memory or the machine is busy; False when the disk lacks
+    the room a run needs (the caller then exits with status 2)."""
+    fs = filesystem_of(base)
+    if fs["fstype"] in ("tmpfs", "ramfs"):
+        print(f"WARNING: {base} is on {fs['fstype']}: results measure memory, not a disk", file=sys.stderr)
+    if fs["free_gib"] * 2**30 < need_bytes:
+        print(f"not enough free space in {base}: {fs['free_gib']} GiB free, ~{need_bytes / 2**30:.1f} GiB needed",
+              file=sys.stderr)
+        return False
+    load = os.getloadavg()[0]
+    if load > (os.cpu_count() or 1) / 2:
+        print(f"WARNING: load average {load:.1f} on {os.cpu_count()} CPUs: other work will "
+              "skew the timings", file=sys.stderr)
+    return True

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (HERE, MiB, cpu_snapshot, default_dir, filesystem_of, flatten,  # noqa: E402
+from common import (HERE, MiB, cpu_snapshot, default_dir, filesystem_of, flatten, preflight,  # noqa: E402
                     make_large_state, make_small_state, make_tools, make_transformer_state,
                     other_cpu_share, setup_dcp, source_fingerprint, state_nbytes, versions, busy_note,
                     freeze_heap)
@@ -264,19 +264,11 @@ def main() -> int:
     out_dir = args.out or (HERE / "results" / ("quick" if args.quick else ""))
     base = (args.dir or default_dir()).resolve()
     base.mkdir(parents=True, exist_ok=True)
-    fs = filesystem_of(base)
-    if fs["fstype"] in ("tmpfs", "ramfs"):
-        print(f"WARNING: {base} is on {fs['fstype']}: results measure memory, not a disk", file=sys.stderr)
     biggest = c["big_mib"] or c["large_mib"]
-    need = biggest * MiB * 2.2
-    if fs["free_gib"] * 2**30 < need:
-        print(f"not enough free space in {base}: {fs['free_gib']} GiB free, ~{need / 2**30:.1f} GiB needed",
-              file=sys.stderr)
+    if not preflight(base, biggest * MiB * 2.2):
         return 2
+    fs = filesystem_of(base)
     load_start = os.getloadavg()
-    if load_start[0] > (os.cpu_count() or 1) / 2:
-        print(f"WARNING: load average {load_start[0]:.1f} on {os.cpu_count()} CPUs: other work will "
-              "skew the timings", file=sys.stderr)
     started = time.monotonic()
     cpu_start = cpu_snapshot()
     dcp_mode = setup_dcp()

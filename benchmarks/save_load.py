@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (HERE, MiB, Ctx, Tool, check_equal, cpu_snapshot, default_dir,  # noqa: E402
-                    dirty_mib, disk_usage, drop_page_cache, empty_like_state, filesystem_of, flatten,
+                    dirty_mib, disk_usage, drop_page_cache, empty_like_state, filesystem_of, flatten, preflight,
                     fmt_s, fsync_tree, make_large_state, make_small_state, make_tools,
                     other_cpu_share, proc_status, raw_read, raw_write, remove, safeckpt_save,
                     safetensors_save, setup_dcp, source_fingerprint, state_nbytes, summary, timed,
@@ -313,18 +313,10 @@ def main() -> int:
         return 0
     base = (args.dir or default_dir()).resolve()
     base.mkdir(parents=True, exist_ok=True)
-    fs = filesystem_of(base)
-    if fs["fstype"] in ("tmpfs", "ramfs"):
-        print(f"WARNING: {base} is on {fs['fstype']}: results measure memory, not a disk", file=sys.stderr)
-    need = (args.size_mib * MiB) * 2.2
-    if fs["free_gib"] * 2**30 < need:
-        print(f"not enough free space in {base}: {fs['free_gib']} GiB free, ~{need / 2**30:.1f} GiB needed",
-              file=sys.stderr)
+    if not preflight(base, args.size_mib * MiB * 2.2):
         return 2
+    fs = filesystem_of(base)
     load_start = os.getloadavg()
-    if load_start[0] > (os.cpu_count() or 1) / 2:
-        print(f"WARNING: load average {load_start[0]:.1f} on {os.cpu_count()} CPUs: other work will "
-              "skew the timings", file=sys.stderr)
     cpu_start = cpu_snapshot()
     dcp_mode = setup_dcp()
     tools = make_tools(set(args.tools.split(",")) if args.tools else None)

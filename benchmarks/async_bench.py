@@ -27,7 +27,6 @@ part of the suite.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -43,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (HERE, MiB, default_dir, flatten, make_large_state, make_small_state,  # noqa: E402
+from common import (bench_parser, MiB, default_dir, flatten, make_large_state, make_small_state,  # noqa: E402
                     remove, state_nbytes, summary)
 
 SPIN_CHUNK = 2000  # loop iterations between two checks of the stop condition (~0.1 ms)
@@ -321,14 +320,8 @@ def async_table(cases: dict[str, dict], sync_save_s: dict[str, float] | None = N
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--size-mib", type=int, default=1024)
-    p.add_argument("--n-small", type=int, default=20000)
-    p.add_argument("--repeat", type=int, default=3)
+    p = bench_parser(__doc__, "async.json")
     p.add_argument("--window", type=float, default=2.0, help="seconds the loop spins during a save (max)")
-    p.add_argument("--dir", type=Path, default=None)
-    p.add_argument("--json", type=Path, default=HERE / "results" / "async.json")
     args = p.parse_args()
     if args.quick:
         args.size_mib, args.n_small, args.repeat, args.window = 16, 500, 1, 0.3

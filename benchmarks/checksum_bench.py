@@ -15,7 +15,6 @@ Standalone: ``python benchmarks/checksum_bench.py [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (HERE, MiB, default_dir, drop_page_cache, empty_like_state, flatten,  # noqa: E402
+from common import (bench_parser, MiB, default_dir, drop_page_cache, empty_like_state, flatten,  # noqa: E402
                     make_large_state, make_small_state, remove, state_nbytes, summary)
 
 
@@ -115,13 +114,7 @@ def checksum_table(cases: dict) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--size-mib", type=int, default=1024)
-    p.add_argument("--n-small", type=int, default=20000)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--dir", type=Path, default=None)
-    p.add_argument("--json", type=Path, default=HERE / "results" / "checksum.json")
+    p = bench_parser(__doc__, "checksum.json")
     args = p.parse_args()
     if args.quick:
         args.size_mib, args.n_small, args.repeat = 32, 1000, 1

@@ -531,3 +531,17 @@ def preflight(base, need_bytes: float) -> bool:
         print(f"WARNING: load average {load:.1f} on {os.cpu_count()} CPUs: other work will "
               "skew the timings", file=sys.stderr)
     return True
+
+
+def bench_parser(doc: str, json_name: str, size_mib: int = 1024, count: tuple[str, int] = ("--n-small", 20000)):
+    """The options every benchmark script shares: --quick, sizes, --repeat, --dir, --json."""
+    import argparse
+    from pathlib import Path
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--size-mib", type=int, default=size_mib)
+    p.add_argument(count[0], type=int, default=count[1])
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--dir", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=HERE / "results" / json_name)
+    return p

@@ -31,7 +31,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (HERE, MiB, default_dir, drop_page_cache, free_port, large_rows,  # noqa: E402
+from common import (bench_parser, MiB, default_dir, drop_page_cache, free_port, large_rows,  # noqa: E402
                     raw_src_buffer, read_into, remove, summary, write_fsync)
 
 OPS = ["raw write+fsync", "raw read", "safeckpt.save", "safeckpt.load (in place)", "dcp.save",
@@ -229,14 +229,8 @@ def dist_table(res: dict) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true")
+    p = bench_parser(__doc__, "dist.json", count=("--n-large", 50))
     p.add_argument("--ranks", default="1,2,4")
-    p.add_argument("--size-mib", type=int, default=1024)
-    p.add_argument("--n-large", type=int, default=50)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--dir", default=None)
-    p.add_argument("--json", type=Path, default=HERE / "results" / "dist.json")
     p.add_argument("--_worker", dest="worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)

@@ -15,7 +15,6 @@ Standalone: ``python benchmarks/s3_bench.py [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (HERE, MiB, check_equal, default_dir, empty_like_state, flatten,  # noqa: E402
+from common import (bench_parser, MiB, check_equal, default_dir, empty_like_state, flatten,  # noqa: E402
                     free_port, make_large_state, remove, state_nbytes, summary, write_fsync, raw_src_buffer)
 
 KEY, SECRET = "bench", "bench-secret"
@@ -182,13 +181,7 @@ def s3_table(res: dict) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--size-mib", type=int, default=256)
-    p.add_argument("--n-large", type=int, default=50)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--dir", type=Path, default=None)
-    p.add_argument("--json", type=Path, default=HERE / "results" / "s3.json")
+    p = bench_parser(__doc__, "s3.json", size_mib=256, count=("--n-large", 50))
     args = p.parse_args()
     if args.quick:
         args.size_mib, args.repeat = 8, 1

@@ -22,7 +22,7 @@ from . import errors as errors_module
 from .commit import DATA_RE, SaveRun, read_existing
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError, UnsupportedFormatError
 from .group import resolve
-from .manifest import Manifest, decode_manifest, encode_values, manifest_name, manifest_seq
+from .manifest import Manifest, decode_manifest, encode_values, is_shared, manifest_name, manifest_seq
 from .reader import TensorReader
 from .state import FlatState, LoadPlanner, flatten
 from .storage import Storage
@@ -40,11 +40,12 @@ class CheckpointInfo:
     save_id: str
     seq: int
     step: int | None
-    bytes: int
+    bytes: int  #: bytes this save wrote (the files in its own folder)
     files: list[str]
     seconds: float
     world_size: int = 1
     metadata: dict[str, Any] = field(default_factory=dict)
+    shared_bytes: int = 0  #: incremental saves: size of the earlier checkpoints' files it reads
 
     @property
     def gbps(self) -> float:
@@ -78,8 +79,15 @@ def manifest_seqs(listing: dict[str, int | None]) -> list[tuple[int, str]]:
 
 
 def _check_files(storage: Storage, m: Manifest, listing: dict[str, int | None], where: str) -> None:
+    siblings: dict[str, dict[str, int | None]] = {}  # each sibling folder listed once
     for f in m.files.values():
-        size = listing.get(f.name) if "/" not in f.name else _size_or_none(storage, f.name)
+        if is_shared(f.name):
+            _, folder, file = f.name.split("/", 2)
+            if folder not in siblings:
+                siblings[folder] = storage.parent().child(folder).listdir()
+            size = siblings[folder].get(file)
+        else:
+            size = listing.get(f.name) if "/" not in f.name else _size_or_none(storage, f.name)
         if size is None:
             raise CorruptCheckpointError(f"{where}: names {f.name}, which is missing")
         if size != f.size:
@@ -173,6 +181,8 @@ class SaveRequest:
     allow_pickle: bool = False
     before_commit: Callable[[], None] | None = None  # rank 0, just before the manifest
     run_id: str | None = None
+    chunk_size: int | None = None  # incremental: share chunks with ``base``'s checkpoint
+    base: Callable[[], "tuple[str, Manifest] | None"] | None = None  # rank 0: (sibling folder, manifest)
 
     def flattener(self, state: dict) -> Callable[[], FlatState]:
         """How this rank turns ``state`` into pieces; a bad state is refused before
@@ -187,11 +197,11 @@ class SaveRequest:
         manifest = SaveRun(self.group, self.storage, overwrite=self.overwrite, step=self.step,
                            metadata=self.metadata, metrics=self.metrics, new_save_id=new_save_id,
                            existing=read_existing, before_commit=self.before_commit,
-                           run_id=self.run_id).run(flattener)
+                           run_id=self.run_id, chunk_size=self.chunk_size, base=self.base).run(flattener)
         return CheckpointInfo(path=self.storage.url, save_id=manifest.save_id, seq=manifest.seq,
                               step=self.step, bytes=manifest.total_bytes, files=list(manifest.files),
                               seconds=time.perf_counter() - started, world_size=manifest.world_size,
-                              metadata=manifest.metadata)
+                              metadata=manifest.metadata, shared_bytes=manifest.shared_files_bytes)
 
 
 def save_request(path: PathLike, *, overwrite: bool = False, metadata: dict | None = None,
@@ -225,10 +235,12 @@ def save(state: dict, path: PathLike, *, overwrite: bool = False, metadata: dict
     return request.run(request.flattener(state), started)
 
 
-def retire(storage: Storage, keep: Manifest | None) -> None:
+def retire(storage: Storage, keep: Manifest | None, spare: "set[str] | frozenset[str]" = frozenset()) -> None:
     """Delete every manifest other than ``keep`` (first, durably), then the data files
     only they referenced. With ``keep=None`` the checkpoint is deleted entirely,
-    including data files of interrupted saves into the same folder."""
+    including data files of interrupted saves into the same folder. ``spare`` are files
+    other checkpoints share. Files of sibling checkpoints are never touched here:
+    whether another checkpoint still needs them is for ``garbage.collect`` to decide."""
     listing = storage.listdir()
     others = [name for seq, name in manifest_seqs(listing) if keep is None or seq != keep.seq]
     doomed: set[str] = {n for n in listing if DATA_RE.fullmatch(n)} if keep is None else set()
@@ -239,6 +251,7 @@ def retire(storage: Storage, keep: Manifest | None) -> None:
             continue
     if keep is not None:
         doomed -= set(keep.files)
+    doomed = {n for n in doomed if not is_shared(n) and n not in spare}
     storage.delete(others)
     storage.delete(sorted(doomed))
 

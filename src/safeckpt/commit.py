@@ -6,6 +6,8 @@
 2. Every rank writes and fsyncs one data file named with the save id and its rank,
    and reports sizes and checksums. Rank 0 checks it can see every file (shared
    storage), then writes the manifest last.
+   Incremental saves first hash their chunks; rank 0 answers which are new, and the
+   manifest references the others where an earlier checkpoint of the run holds them.
 3. Rank 0 broadcasts the outcome. On any failure nobody commits: every rank deletes
    what it wrote and raises, naming every failing rank and its error.
 """
@@ -19,12 +21,14 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checksum import checksum
+from .checksum import BLOCK_SIZE, checksum
 from .datafile import WrittenPiece, plan_layout, stream
+from .incremental import ChunkDigest, Source, Stored, chunk_key, digest_pieces, plan_reuse, reuse_index
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError,
                      UnsupportedFormatError)
 from .group import SingleGroup, TorchGroup
-from .manifest import Chunk, FileEntry, Manifest, TensorEntry, encode_manifest, manifest_name, manifest_seq
+from .manifest import (Chunk, FileEntry, Manifest, TensorEntry, encode_manifest, is_shared, manifest_name,
+                       manifest_seq)
 from .plan import PieceInfo, PlanError, assign_writes, check_coverage
 from .state import FlatState
 from .storage import Storage
@@ -55,6 +59,7 @@ class Assignment:
     abort: str | None = None
     errors: dict[int, str] = field(default_factory=dict)
     exists: bool = False
+    chunks: list[int] = field(default_factory=list)  # incremental: indices of the new chunks
 
 
 @dataclass
@@ -83,7 +88,8 @@ class SaveRun:
 
     def __init__(self, group: SingleGroup | TorchGroup, storage: Storage, *, overwrite: bool,
                  step: int | None, metadata: dict, metrics: dict, new_save_id: Any,
-                 existing: Any, before_commit: Any = None, run_id: str | None = None) -> None:
+                 existing: Any, before_commit: Any = None, run_id: str | None = None,
+                 chunk_size: int | None = None, base: Any = None) -> None:
         self.group = group
         self.storage = storage
         self.overwrite = overwrite
@@ -94,6 +100,13 @@ class SaveRun:
         self.existing = existing  # (storage) -> (committed Manifest | None, max seq seen)
         self.before_commit = before_commit  # rank 0, e.g. a writer lease check
         self.run_id = run_id
+        self.chunk_size = chunk_size  # set: an incremental save with chunks of this size
+        self.base = base  # rank 0: () -> (sibling folder, Manifest) to share chunks with, or None
+        self.index: dict[tuple[str, int], Stored] = {}
+        self.digests: list[list[ChunkDigest]] = []  # rank 0: every rank's chunks
+        self.own: list[tuple[ChunkDigest, Any]] = []  # this rank's chunks and their tensors
+        self.writes: list[list[int]] = []
+        self.sources: dict[tuple[int, int], Source] = {}
         self.local_error: BaseException | None = None
         self.old: Manifest | None = None
         self.tree: Any = None  # rank 0: the merged tree of every rank
@@ -110,6 +123,8 @@ class SaveRun:
         mine: Assignment = self.group.scatter(plans)
         if mine.abort:
             self._raise(mine.abort, mine.errors, mine.exists)
+        if self.chunk_size is not None:
+            self._deduplicate(flat, mine)
         report = self._write(flat, mine)
         try:
             reports = self.group.gather(report)
@@ -159,19 +174,50 @@ class SaveRun:
             raise CheckpointExistsError(
                 f"a committed checkpoint exists at {self.storage.url} (step {self.old.step}); pass "
                 "overwrite=True to replace it atomically, or save to another path")
+        if self.chunk_size is not None and self.base is not None:
+            self.index = reuse_index(self.base(), self.chunk_size)
         save_id, seq = self.new_save_id(), max_seq + 1
         return [Assignment(save_id, seq, [p.name for p in pieces]) for pieces in per_rank]
 
+    # -- phase 2a: incremental saves -----------------------------------------------------
+    def _deduplicate(self, flat: FlatState, mine: Assignment) -> None:
+        """Hash this rank's chunks; rank 0 answers which ones no checkpoint holds yet."""
+        pieces = [(n, flat.pieces[n].tensor, flat.pieces[n].info.offsets) for n in mine.write]
+        result = self._guard(lambda: digest_pieces(pieces, self.chunk_size))
+        digests, views = result if result is not None else ([], [])
+        self.own = list(zip(digests, views))
+        error = describe_error(self.local_error) if result is None else None
+        gathered = self.group.gather((digests, error))
+        plans = None
+        if self.group.rank == 0:
+            errors = {r: e for r, (_, e) in enumerate(gathered) if e}
+            if errors:
+                plans = [Assignment(abort=_summary(self.storage.url, errors), errors=errors)] * self.group.size
+            else:
+                self.digests = [d for d, _ in gathered]
+                self.writes, self.sources = plan_reuse(self.index, self.digests)
+                plans = [Assignment(chunks=w) for w in self.writes]
+        answer: Assignment = self.group.scatter(plans)
+        if answer.abort:
+            self._raise(answer.abort, answer.errors, answer.exists)
+        mine.chunks = answer.chunks
+        shapes = {n: flat.pieces[n].info.shape for n in mine.write}
+        mine.write = [chunk_key(digests[i], digests[i].shape == shapes[digests[i].name]) for i in answer.chunks]
     # -- phase 2 ---------------------------------------------------------------------
     def _write(self, flat: FlatState, mine: Assignment) -> Report:
         if not mine.write:
             return Report()
         name = data_file_name(mine.save_id, self.group.rank)
         try:
-            items = [(n, flat.pieces[n].tensor) for n in mine.write]
+            known = None
+            if self.chunk_size is None:
+                items = [(n, flat.pieces[n].tensor) for n in mine.write]
+            else:
+                items = [(key, self.own[i][1]) for key, i in zip(mine.write, mine.chunks)]
+                known = [[self.own[i][0].digest] for i in mine.chunks]
             layout = plan_layout(items, {"format": "pt", "safeckpt_save_id": mine.save_id})
             written: list[WrittenPiece] = []
-            size = self.storage.write_file(name, stream(layout, written))
+            size = self.storage.write_file(name, stream(layout, written, known))
             entry = FileEntry(name, size, rank=self.group.rank, header_size=len(layout.header),
                               header_checksum=checksum(layout.header))
             return Report(entry, written)
@@ -189,6 +235,7 @@ class SaveRun:
             if not errors:
                 manifest = self._build_manifest(intents, reports, mine)
                 self._check_visible(reports)
+                self._check_shared(manifest)
                 if self.before_commit is not None:
                     self.before_commit()
                 self._write_manifest(manifest)
@@ -201,13 +248,12 @@ class SaveRun:
 
     def _build_manifest(self, intents: list[Intent], reports: list[Report], mine: Assignment) -> Manifest:
         tensors: dict[str, TensorEntry] = {}
-        files: dict[str, FileEntry] = {}
+        files = {rep.file.name: rep.file for rep in reports if rep.file is not None}
+        if self.chunk_size is not None:
+            self._add_chunks(intents, reports, files, tensors)
         for intent, rep in zip(intents, reports):
-            if rep.file is None:
-                continue
-            files[rep.file.name] = rep.file
             infos = {p.name: p for p in intent.pieces}  # this rank's boxes
-            for w in rep.written:
+            for w in rep.written if self.chunk_size is None else ():
                 info = infos[w.name]
                 entry = tensors.setdefault(w.name, TensorEntry(info.dtype, list(info.global_shape)))
                 entry.chunks.append(Chunk(rep.file.name, w.start, w.end, w.checksums,
@@ -215,9 +261,49 @@ class SaveRun:
         for intent in intents:
             for alias, first in intent.aliases.items():
                 tensors[alias] = tensors[first]
+        incremental = self.chunk_size is not None
         return Manifest(save_id=mine.save_id, seq=mine.seq, created=time.time(),
                         world_size=len(intents), files=files, tensors=tensors, tree=self.tree,
-                        step=self.step, metadata=self.metadata, metrics=self.metrics, run_id=self.run_id)
+                        step=self.step, metadata=self.metadata, metrics=self.metrics, run_id=self.run_id,
+                        block_size=self.chunk_size if incremental else BLOCK_SIZE, version=2 if incremental else 1)
+
+    def _add_chunks(self, intents: list[Intent], reports: list[Report], files: dict[str, FileEntry],
+                    tensors: dict[str, TensorEntry]) -> None:
+        """Incremental saves: every chunk, written now or found in an earlier checkpoint."""
+        written: dict[tuple[int, int], Chunk] = {}
+        for rank, rep in enumerate(reports):
+            for i, w in zip(self.writes[rank], rep.written):
+                written[(rank, i)] = Chunk(rep.file.name, w.start, w.end, w.checksums, [], [])
+        for rank, digests in enumerate(self.digests):
+            infos = {p.name: p for p in intents[rank].pieces}
+            for i, d in enumerate(digests):
+                held = written.get((rank, i))
+                if held is None:
+                    source = self.sources[(rank, i)]
+                    if isinstance(source, Stored):
+                        files.setdefault(source.file.name, source.file)
+                        held = dataclasses.replace(source.chunk, file=source.file.name)
+                    else:
+                        held = written[source]
+                info = infos[d.name]
+                entry = tensors.setdefault(d.name, TensorEntry(info.dtype, list(info.global_shape)))
+                entry.chunks.append(dataclasses.replace(held, offsets=list(d.offsets), shape=list(d.shape)))
+
+    def _check_shared(self, manifest: Manifest) -> None:
+        """Files shared with earlier checkpoints must still be there as they were listed."""
+        for f in manifest.files.values():
+            if not is_shared(f.name):
+                continue
+            try:
+                size = self.storage.size(f.name)
+            except FileNotFoundError:
+                size = None
+            if size != f.size:
+                raise SaveAbortedError(
+                    f"{self.storage.url}/{f.name}, which this incremental save shares with an earlier "
+                    f"checkpoint, is {'missing' if size is None else f'{size} bytes, not {f.size}'}: was "
+                    "it deleted by hand or by a gc of another process? Save again: the next save "
+                    "writes every chunk it cannot share")
 
     def _check_visible(self, reports: list[Report]) -> None:
         """Rank 0 must see every rank's file, or the checkpoint could never be loaded."""

@@ -70,33 +70,37 @@ def plan_layout(pieces: list[tuple[str, torch.Tensor]], metadata: dict[str, str]
     return DataFileLayout(prefix, entries)
 
 
-def stream(layout: DataFileLayout, written: list[WrittenPiece]) -> Iterator[memoryview | bytes]:
+def stream(layout: DataFileLayout, written: list[WrittenPiece],
+           known: list[list[str]] | None = None) -> Iterator[memoryview | bytes]:
     """Yield the file's bytes in large pieces and fill ``written`` with every piece's
-    checksums. Small pieces are coalesced to save system calls; large ones are hashed
-    on a helper thread while they are written (both release the GIL)."""
+    checksums (or ``known``, checksums computed before). Small pieces are coalesced to
+    save system calls; large ones are hashed on a helper thread while they are written
+    (both release the GIL)."""
     with ThreadPoolExecutor(1, thread_name_prefix="safeckpt-hash") as hasher:
         hashing: list[tuple[WrittenPiece, Future]] = []
-        yield from _pieces(layout, written, hasher, hashing)
+        yield from _pieces(layout, written, hasher, hashing, known)
         for piece, future in hashing:
             piece.checksums = future.result()
 
 
 def _pieces(layout: DataFileLayout, written: list[WrittenPiece], hasher: ThreadPoolExecutor,
-            hashing: list[tuple[WrittenPiece, Future]]) -> Iterator[memoryview | bytes]:
+            hashing: list[tuple[WrittenPiece, Future]],
+            known: list[list[str]] | None) -> Iterator[memoryview | bytes]:
     yield layout.header
     pending = bytearray()
-    for name, t, start, end in layout.entries:
+    for i, (name, t, start, end) in enumerate(layout.entries):
         view = byte_view(to_storable(t, name))
-        piece = WrittenPiece(name, start, end)
+        piece = WrittenPiece(name, start, end, known[i] if known is not None else [])
         written.append(piece)
         if end - start < COALESCE_BELOW:
-            piece.checksums = block_checksums(view)
+            piece.checksums = piece.checksums or block_checksums(view)
             pending += view
             if len(pending) >= COALESCE_BUFFER:
                 yield pending
                 pending = bytearray()
             continue
-        hashing.append((piece, hasher.submit(block_checksums, view)))
+        if not piece.checksums:
+            hashing.append((piece, hasher.submit(block_checksums, view)))
         if pending:
             yield pending
             pending = bytearray()

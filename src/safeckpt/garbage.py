@@ -5,19 +5,40 @@ Only names safeckpt writes (``data-<save_id>-rNNNNN.safetensors`` and
 anything else in the root is left alone. A save that may still be running is
 protected by its save id: with ``min_age_s``, no save younger than that is touched,
 by the time its id records (never by file mtimes, which FUSE mounts get wrong).
+
+Incremental checkpoints read data files of older sibling checkpoints, so collection is
+by reachability: a data file stays while any committed checkpoint in the root names it.
+A retired checkpoint whose files are still shared keeps them, with a ``RETIRED`` marker
+that says the folder is no longer a checkpoint (and not one copied without its
+manifest). Folders are read in ascending step order: a save commits its manifest
+before the checkpoint it shares with is retired, and it has a higher step, so a
+collection running meanwhile sees one or the other.
 """
 
 from __future__ import annotations
 
 import re
 import time
+import warnings
 from .checkpoint import read_committed
 from .commit import DATA_RE
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
-from .manifest import manifest_seq
+from .manifest import Manifest, is_shared, manifest_seq
 from .storage import Storage
 
 STEP_RE = re.compile(r"step-([0-9]{9,})", re.ASCII)
+RETIRED = "safeckpt-retired"  # a retired checkpoint folder that still holds shared data
+
+
+def shared_files(manifests: "dict[str, Manifest] | list[Manifest]") -> dict[str, set[str]]:
+    """Sibling folder -> its files that these committed manifests read."""
+    out: dict[str, set[str]] = {}
+    for m in (manifests.values() if isinstance(manifests, dict) else manifests):
+        for name in m.files:
+            if is_shared(name):
+                _, folder, file = name.split("/", 2)
+                out.setdefault(folder, set()).add(file)
+    return out
 
 
 def save_id_age(save_id: str, now: float) -> float:
@@ -28,9 +49,11 @@ def save_id_age(save_id: str, now: float) -> float:
         return float("inf")
 
 
-def garbage_in(folder: Storage, min_age_s: float | None = None,
-               now: float | None = None) -> tuple[list[str], list[str]]:
-    """(manifests, data files) in one checkpoint folder that nothing committed needs."""
+def garbage_in(folder: Storage, min_age_s: float | None = None, now: float | None = None,
+               shared: "set[str] | frozenset[str]" = frozenset()) -> tuple[list[str], list[str]]:
+    """(manifests, data files) in one checkpoint folder that nothing committed needs;
+    ``shared`` are its files that committed checkpoints in other folders read. The
+    ``RETIRED`` marker counts as a manifest, and goes once no shared data is left."""
     now = time.time() if now is None else now
     listing = folder.listdir()
     try:
@@ -39,7 +62,7 @@ def garbage_in(folder: Storage, min_age_s: float | None = None,
         return [], []  # written by a newer safeckpt: nothing here is ours to judge
     except (CheckpointNotFoundError, CorruptCheckpointError):
         committed = None
-    needed = set(committed.files) if committed else set()
+    needed = (set(committed.files) if committed else set()) | set(shared)
     data, live = [], False
     for name in listing:
         m = DATA_RE.fullmatch(name)
@@ -51,6 +74,8 @@ def garbage_in(folder: Storage, min_age_s: float | None = None,
         data.append(name)
     manifests = [] if live else [n for n in listing if (s := manifest_seq(n)) is not None
                                  and (committed is None or s != committed.seq)]
+    if RETIRED in listing and committed is None and not live and not needed.intersection(listing):
+        manifests.append(RETIRED)
     if committed is None and not manifests and not data:
         return [], []
     return manifests, sorted(data)
@@ -68,19 +93,32 @@ def collect(root: Storage, *, min_age_s: float | None = None, dry_run: bool = Fa
     (default an hour) are aborted on object stores."""
     removed: list[str] = []
     now = time.time()
-    for name, size in sorted(root.listdir().items()):
-        if size is not None or not STEP_RE.fullmatch(name):
+    folders = sorted(name for name, size in root.listdir().items() if size is None and STEP_RE.fullmatch(name))
+    committed: list[Manifest] = []
+    for name in folders:
+        try:
+            committed.append(read_committed(root.child(name)))
+        except UnsupportedFormatError:
+            warnings.warn(f"{root.url}/{name} was written by a newer safeckpt and may share data with "
+                          "other checkpoints: garbage collection skipped; upgrade safeckpt", stacklevel=3)
+            return removed
+        except (CheckpointNotFoundError, CorruptCheckpointError):
             continue
+    shared = shared_files(committed)
+    for name in folders:
         folder = root.child(name)
-        if not incomplete and not any(manifest_seq(n) is not None for n in folder.listdir()):
+        if not incomplete and not any(manifest_seq(n) is not None or n == RETIRED for n in folder.listdir()):
             continue
-        manifests, data = garbage_in(folder, min_age_s, now)
+        manifests, data = garbage_in(folder, min_age_s, now, shared.get(name, set()))
         removed += [f"{name}/{n}" for n in manifests + data]
         if not dry_run and (manifests or data):
-            folder.delete(manifests)
+            markers = [RETIRED] if RETIRED in manifests else []
+            folder.delete([n for n in manifests if n != RETIRED])
             folder.delete(data)
+            folder.delete(markers)  # last: while shared data is left, the folder stays marked
             folder.remove_folder()
     abort_uploads = getattr(root, "abort_stale_uploads", None)
     if abort_uploads is not None and not dry_run:
         abort_uploads(older_than=3600.0 if min_age_s is None else min_age_s)
     return removed
+

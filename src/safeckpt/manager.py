@@ -19,6 +19,7 @@ from typing import Any
 from . import garbage
 from .asyncsave import AsyncSaver, SaveFuture, background_group
 from .checkpoint import CheckpointInfo, load, read_committed, retire, save_request
+from .incremental import CHUNK_SIZE
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
 from .group import SingleGroup, TorchGroup, resolve
 from .lease import WriterLease
@@ -46,14 +47,23 @@ class CheckpointManager:
     restored from one continues it). Only ``step-NNNNNNNNN`` folders and safeckpt's own
     files in them are ever touched. One manager writes a root at a time (see
     ``lease``). With ``async_save=True``, ``save`` returns a ``SaveFuture`` once the
-    state is snapshotted. With ``handle_sigterm=True``, SIGTERM sets ``preempted``."""
+    state is snapshotted. With ``handle_sigterm=True``, SIGTERM sets ``preempted``.
+
+    With ``incremental=True`` each save writes only the chunks (``chunk_size`` bytes of
+    a tensor at most) that the run's newest committed checkpoint does not already hold,
+    and references the rest; every checkpoint still loads on its own, and data is
+    deleted only when no committed checkpoint references it."""
 
     def __init__(self, root: "str | Storage", *, keep_last: int | None = None,
                  keep_best: int | None = None, best_metric: str | None = None,
                  best_mode: str = "min", keep_every: int | None = None, async_save: bool = False,
                  process_group: Any = None, storage_options: dict | None = None,
-                 allow_pickle: bool = False, handle_sigterm: bool = False) -> None:
+                 allow_pickle: bool = False, handle_sigterm: bool = False,
+                 incremental: bool = False, chunk_size: int = CHUNK_SIZE) -> None:
+        if type(chunk_size) is not int or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int (bytes), not {chunk_size!r}")
         self.retention = Retention(keep_last, keep_best, best_metric, best_mode, keep_every)
+        self.chunk_size = chunk_size if incremental else None
         self.storage = open_storage(root, **(storage_options or {}))
         self.process_group = process_group
         self.allow_pickle = allow_pickle
@@ -97,12 +107,17 @@ class CheckpointManager:
     def _read(self, step: int) -> tuple[str, Manifest | str]:
         """("ok", manifest), ("incomplete", why) when no manifest exists (a save that
         never committed), ("damaged", why) when a manifest exists but is not valid, or
-        ("newer", why) when a newer safeckpt wrote it."""
+        ("newer", why) when a newer safeckpt wrote it, ("retired", why) when retention
+        deleted it but it still holds data that later checkpoints share."""
+        folder = self.storage.child(step_folder(step))
+        listing = folder.listdir()
         try:
-            return "ok", read_committed(self.storage.child(step_folder(step)))
+            return "ok", read_committed(folder, listing)
         except UnsupportedFormatError as exc:
             return "newer", str(exc)  # listed as not ours; restore refuses to skip it
         except CheckpointNotFoundError as exc:
+            if garbage.RETIRED in listing:
+                return "retired", "deleted by retention; holds data later checkpoints share"
             return "incomplete", str(exc)
         except CorruptCheckpointError as exc:
             return "damaged", str(exc)
@@ -146,6 +161,9 @@ class CheckpointManager:
                                process_group=group, allow_pickle=self.allow_pickle,
                                before_commit=self._check_lease)
         request.run_id = self.run_id
+        if self.chunk_size is not None:
+            request.chunk_size = self.chunk_size
+            request.base = lambda: self._base(step)
         if self._saver is not None:
             future = self._saver.submit(state, request, on_done=self._after_save)
             future.add_done_callback(lambda f: Future.exception(f) and self._remove_if_empty(folder))
@@ -176,6 +194,14 @@ class CheckpointManager:
             warnings.warn(f"saved step {info.step}, but cleaning up older checkpoints failed: {exc}",
                           stacklevel=3)
 
+    def _base(self, step: int) -> tuple[str, Manifest] | None:
+        """Rank 0: the newest committed checkpoint of this run, whose chunks a save shares."""
+        for s in reversed(self._step_folders()):
+            status, m = self._read(s) if s != step else ("", None)
+            if status == "ok" and isinstance(m, Manifest) and m.run_id == self.run_id:
+                return step_folder(s), m
+        return None
+
     def _check_lease(self) -> None:
         if self._lease is None:
             self._lease = WriterLease(self.storage, self.run_id)
@@ -195,19 +221,33 @@ class CheckpointManager:
                           "retention leaves them alone. Call restore() to continue that run, or "
                           "delete them yourself", stacklevel=4)
         keep = self.retention.keep(mine, protect={just_saved} if just_saved is not None else set())
-        doomed = [s for s in mine if s not in keep and s != max(committed)]
+        doomed = sorted(s for s in mine if s not in keep and s != max(committed))
         if doomed:
             self._check_lease()
         for step in doomed:
-            self.delete(step)
+            self._delete(step, committed)
+            del committed[step]
 
     def delete(self, step: int) -> None:
-        """Delete a checkpoint: manifests first (durably), then its data, then the folder."""
+        """Delete a checkpoint: manifests first (durably), then the data no other
+        checkpoint shares, then the folder. Shared data stays (the folder marked
+        retired) until garbage collection finds nothing needs it."""
         self._check_lease()
-        folder = self.storage.child(step_folder(step))
-        retire(folder, keep=None)
-        folder.remove_folder()
-        log.info("deleted checkpoint of step %d", step)
+        self._delete(step, self._committed())
+
+    def _delete(self, step: int, committed: dict[int, Manifest]) -> None:
+        name = step_folder(step)
+        folder = self.storage.child(name)
+        shared = garbage.shared_files({s: m for s, m in committed.items() if s != step}).get(name, set())
+        if shared:
+            try:  # before the manifest goes: a crash leaves a marked folder, never an unknown one
+                folder.write_file(garbage.RETIRED, [b"retired by safeckpt; holds data later checkpoints share\n"])
+            except FileExistsError:
+                pass
+        retire(folder, keep=None, spare=shared)
+        if not shared:
+            folder.remove_folder()
+        log.info("deleted checkpoint of step %d%s", step, f" ({len(shared)} shared file(s) kept)" if shared else "")
 
     def gc(self, *, dry_run: bool = False, min_age_s: float | None = None) -> list[str]:
         """Remove files of interrupted saves and data no committed checkpoint needs;
@@ -241,6 +281,8 @@ class CheckpointManager:
         for i, (candidate, status, detail) in enumerate(candidates):
             if status == "newer":  # resuming from an older step instead would lose work
                 raise UnsupportedFormatError(detail)
+            if status == "retired":
+                continue
             if status != "ok":
                 # a crash can leave only the newest save torn; older damage is corruption
                 failed = failed or (status == "damaged" and i > 0)

@@ -20,7 +20,7 @@ from .errors import CorruptCheckpointError, UnsupportedFormatError
 from .plan import PlanError, check_coverage
 from .tensors import dtype_from_name, nbytes_of
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: incremental manifests (files of sibling checkpoints, xxh3_128 chunks)
 MANIFEST_RE = re.compile(r"manifest-([0-9]{6,})\.json", re.ASCII)
 _PREFIX = b'{"safeckpt":'
 _SUFFIX_START = b',"checksum":"' + ALGORITHM.encode() + b":"
@@ -39,14 +39,24 @@ def manifest_seq(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def check_relpath(name: object, where: str) -> str:
-    """A file name from a manifest must stay inside the checkpoint folder."""
+def check_relpath(name: object, where: str, siblings: bool = False) -> str:
+    """A file name from a manifest must stay inside the checkpoint folder; with
+    ``siblings`` it may also be ``../<folder>/<file>``, a file of a sibling checkpoint
+    in the same root, and nothing further away."""
     if not isinstance(name, str) or not name or "\\" in name or name.startswith("/"):
         raise CorruptCheckpointError(f"{where}: file name {name!r} is not a relative path inside the checkpoint")
-    for part in name.split("/"):
+    parts = name.split("/")
+    if siblings and parts[0] == ".." and len(parts) == 3:
+        parts = parts[1:]
+    for part in parts:
         if part in ("", ".", "..") or not _SAFE_PART.fullmatch(part):
             raise CorruptCheckpointError(f"{where}: file name {name!r} leaves the checkpoint folder or is not allowed")
     return name
+
+
+def is_shared(name: str) -> bool:
+    """True for a file of a sibling checkpoint (``../<folder>/<file>``)."""
+    return name.startswith("../")
 
 
 @dataclass
@@ -99,11 +109,22 @@ class Manifest:
     metrics: dict[str, Any] = field(default_factory=dict)
     block_size: int = BLOCK_SIZE
     run_id: str | None = None  # the CheckpointManager run that wrote it (retention scope)
-    version: int = FORMAT_VERSION
+    version: int = 1  # 2 only where needed, so older safeckpt versions read the rest
 
     @property
     def total_bytes(self) -> int:
-        return sum(f.size for f in self.files.values())
+        """Bytes of the files in the checkpoint's own folder: what its save wrote."""
+        return sum(f.size for f in self.files.values() if not is_shared(f.name))
+
+    @property
+    def shared_files_bytes(self) -> int:
+        """Bytes of the earlier checkpoints' files it reads data from."""
+        return sum(f.size for f in self.files.values() if is_shared(f.name))
+
+    def shared_bytes(self) -> int:
+        """Bytes of tensor data it shares with earlier checkpoints (each chunk once)."""
+        return sum(end - start for _, start, end in
+                   {(c.file, c.start, c.end) for t in self.tensors.values() for c in t.chunks if is_shared(c.file)})
 
 
 def _no_tensors(key: str, t: Any) -> Any:
@@ -180,11 +201,11 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         raise CorruptCheckpointError(f"{where}: malformed manifest ({exc!r})") from exc
 
 
-def _decode_files(entries: Any, where: str) -> dict[str, FileEntry]:
+def _decode_files(entries: Any, where: str, version: int) -> dict[str, FileEntry]:
     files: dict[str, FileEntry] = {}
     for raw in entries:
         f = FileEntry(**_known(FileEntry, raw, where))
-        check_relpath(f.name, where)
+        check_relpath(f.name, where, siblings=version >= 2)
         _need(_is_int(f.size), where, f"bad size for {f.name}")
         _need(f.rank is None or _is_int(f.rank), where, f"bad rank for {f.name}")
         _need(f.header_size is None or (_is_int(f.header_size, 8) and f.header_size <= f.size
@@ -215,7 +236,7 @@ def _decode_chunk(raw: Any, name: str, t: dict, dtype: Any, files: dict[str, Fil
 
 
 def _decode_body(body: dict, where: str) -> Manifest:
-    files = _decode_files(body["files"], where)
+    files = _decode_files(body["files"], where, body["format_version"])
     block = body.get("block_size", BLOCK_SIZE)
     _need(_is_int(block, 1), where, f"bad block_size {block!r}")
     tensors: dict[str, TensorEntry] = {}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checksum import checksum, file_checksum
+from .checksum import checksum, file_checksum, matches
 from .datafile import read_header_length
 from .errors import CorruptCheckpointError
 from .manifest import Chunk, Manifest
@@ -58,6 +58,7 @@ class TensorReader:
         self.storage = storage
         self.manifest = manifest
         self.verify = verify
+        self._located: dict[str, tuple[Storage, str]] = {}  # shared files live in sibling folders
 
     # -- planning --------------------------------------------------------------------
     def run(self, reads: list[Read]) -> None:
@@ -180,7 +181,7 @@ class TensorReader:
 
     # -- checks ----------------------------------------------------------------------
     def _check(self, name: str, chunk: Chunk, index: int, data: bytes | memoryview) -> None:
-        if checksum(data) != chunk.checksums[index]:
+        if not matches(data, chunk.checksums[index]):
             block = self.manifest.block_size
             lo = chunk.start + index * block
             raise CorruptCheckpointError(
@@ -215,7 +216,7 @@ class TensorReader:
         f = self.manifest.files[name]
         where = f"{self.storage.url}/{name}"
         if f.header_size is None:  # a sealed file written by another tool
-            ok = f.checksum is None or file_checksum(self.storage, name, f.size) == f.checksum
+            ok = f.checksum is None or file_checksum(*self.storage.locate(name), f.size) == f.checksum
             return [] if ok else [f"{where}: fails its checksum (altered or damaged)"]
         prefix = self._read_bytes(name, 0, min(8, f.size))
         claimed = read_header_length(prefix) if len(prefix) == 8 else None
@@ -245,7 +246,10 @@ class TensorReader:
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> None:
         try:
-            self.storage.read_into(name, offset, out)
+            located = self._located.get(name)
+            if located is None:
+                located = self._located[name] = self.storage.locate(name)
+            located[0].read_into(located[1], offset, out)
         except (EOFError, FileNotFoundError) as exc:
             raise CorruptCheckpointError(
                 f"{self.storage.url}/{name}: {exc} (the file is truncated or missing)") from exc

@@ -33,6 +33,9 @@ class _Counting(Storage):
     def child(self, name: str) -> Storage:
         return _Counting(self.inner.child(name), self.advance)
 
+    def parent(self) -> Storage:
+        return _Counting(self.inner.parent(), self.advance)
+
     def write_file(self, name: str, parts: Iterable) -> int:
         return self.inner.write_file(name, parts)
 
@@ -58,7 +61,7 @@ class Checked:
     """The verdict on one checkpoint folder."""
 
     path: str
-    status: str = "ok"          # ok, corrupt, incomplete
+    status: str = "ok"          # ok, corrupt, incomplete, retired
     problems: list[str] = field(default_factory=list)
     files: int = 0
     bytes: int = 0              # bytes of the files found sound
@@ -86,7 +89,8 @@ def verify_all(storages: list[Storage], jobs: int, progress: Any = None) -> list
         try:
             manifest = read_committed(storage)
         except CheckpointNotFoundError as exc:
-            result.status, result.problems = "incomplete", [str(exc)]
+            retired = garbage.RETIRED in storage.listdir()
+            result.status, result.problems = ("retired", []) if retired else ("incomplete", [str(exc)])
             continue
         except CorruptCheckpointError as exc:
             result.status, result.problems = "corrupt", [str(exc)]
@@ -154,14 +158,16 @@ def verify_command(paths: tuple[str, ...], jobs: int, as_json: bool, storage_opt
             elif r.status == "incomplete":
                 say(out, f"incomplete  {r.path}  (no manifest: a save that never committed; "
                                "'safeckpt gc' removes its files)")
+            elif r.status == "retired":
+                say(out, f"retired     {r.path}  (deleted by retention; keeps data newer checkpoints share)")
             else:
                 say(out, f"CORRUPT     {r.path}")
                 for p in r.problems:
                     say(out, f"  - {p}")
-        counts = {s: sum(r.status == s for r in results) for s in ("ok", "corrupt", "incomplete")}
+        counts = {s: sum(r.status == s for r in results) for s in ("ok", "corrupt", "incomplete", "retired")}
         say(out, f"checked {len(results)} checkpoint(s), {human_bytes(sum(r.bytes for r in results))} "
                        f"in {seconds:.1f}s: {counts['ok']} ok, {counts['corrupt']} corrupt"
-                       + (f", {counts['incomplete']} incomplete" if counts["incomplete"] else ""))
+                       + "".join(f", {counts[s]} {s}" for s in ("incomplete", "retired") if counts[s]))
     return 1 if any(r.status == "corrupt" for r in results) else 0
 
 

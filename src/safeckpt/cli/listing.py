@@ -18,9 +18,10 @@ from ._common import (CliError, compact, console, decode, human_bytes, jsonable,
                       storage_option_flag, storage_options, table, text, when)
 
 # the manager's verdicts (CheckpointManager._read) as shown here; unknown ones pass through
-STATUS = {"ok": "committed", "damaged": "corrupt", "incomplete": "incomplete", "newer": "newer"}
+STATUS = {"ok": "committed", "damaged": "corrupt", "incomplete": "incomplete", "newer": "newer",
+          "retired": "retired"}
 STATUS_TEXT = {"committed": "committed", "corrupt": "CORRUPT", "incomplete": "incomplete save",
-               "newer": "newer format (upgrade safeckpt)"}
+               "newer": "newer format (upgrade safeckpt)", "retired": "retired (data still shared)"}
 
 
 def _row(storage: Storage, step: int | None, status: str, found: Manifest | str) -> dict[str, Any]:
@@ -28,13 +29,14 @@ def _row(storage: Storage, step: int | None, status: str, found: Manifest | str)
     row: dict[str, Any] = {"step": step, "path": storage.url, "status": status}
     if isinstance(found, Manifest):
         m = found
-        row.update(step=m.step if step is None else step, bytes=m.total_bytes, created=m.created,
+        row.update(step=m.step if step is None else step, bytes=m.total_bytes, shared=m.shared_bytes(),
+                   created=m.created,
                    time=_dt.datetime.fromtimestamp(m.created, _dt.timezone.utc).isoformat(),
                    world_size=m.world_size, metrics=jsonable(m.metrics), metadata=jsonable(m.metadata),
                    save_id=m.save_id, files=len(m.files), tensors=len(m.tensors), problem=None)
     else:
         listing = storage.listdir()
-        row.update(bytes=sum(s for s in listing.values() if s is not None), created=None, time=None,
+        row.update(bytes=sum(s for s in listing.values() if s is not None), shared=0, created=None, time=None,
                    world_size=None, metrics={}, metadata={}, save_id=None,
                    files=sum(1 for s in listing.values() if s is not None), tensors=None, problem=found)
     return row
@@ -65,7 +67,9 @@ def _rows(path: str, options: dict) -> list[dict[str, Any]]:
 @storage_option_flag
 def ls_command(root: str, as_json: bool, storage_option: tuple[str, ...]) -> int:
     """List the checkpoints of a run root (its step-NNNNNNNNN folders): step, time,
-    size, world size, metrics and status (committed, CORRUPT, incomplete save).
+    the bytes each owns (its own files) and shares (data read from older checkpoints
+    of an incremental run), world size, metrics and status (committed, CORRUPT,
+    incomplete save, retired).
 
     ROOT is a local path or a URL such as s3://bucket/run; a single checkpoint folder
     lists as one row."""
@@ -74,10 +78,12 @@ def ls_command(root: str, as_json: bool, storage_option: tuple[str, ...]) -> int
         print_json(rows)
         return 0
     out = console()
-    t = table("step", "time", "size", "world", "metrics", "status", right=("step", "size", "world"))
+    t = table("step", "time", "owns", "shares", "world", "metrics", "status",
+              right=("step", "owns", "shares", "world"))
     for r in rows:
         t.add_row(text("-" if r["step"] is None else r["step"]), text(when(r["created"])),
-                  text(human_bytes(r["bytes"])), text(r["world_size"] or "-"),
+                  text(human_bytes(r["bytes"])), text(human_bytes(r["shared"]) if r["shared"] else "-"),
+                  text(r["world_size"] or "-"),
                   text(compact(r["metrics"]) if r["metrics"] else "-"),
                   text(STATUS_TEXT.get(r["status"], r["status"])))
     out.print(t)
@@ -86,7 +92,7 @@ def ls_command(root: str, as_json: bool, storage_option: tuple[str, ...]) -> int
               + "".join(f", {n} {s}" for s in sorted({r["status"] for r in rows} - {"committed"})
                         if (n := sum(r["status"] == s for r in rows))))
     for r in rows:
-        if r["status"] not in ("committed", "incomplete"):
+        if r["status"] not in ("committed", "incomplete", "retired"):
             say(out, f"  step {r['step']}: {r['problem']}")
     return 0
 
@@ -108,7 +114,7 @@ def describe_checkpoint(storage: Storage, m: Manifest, select: str | None) -> di
     return {"path": storage.url, "step": m.step, "save_id": m.save_id, "seq": m.seq,
             "format_version": m.version, "created": m.created,
             "time": _dt.datetime.fromtimestamp(m.created, _dt.timezone.utc).isoformat(),
-            "world_size": m.world_size, "bytes": m.total_bytes,
+            "world_size": m.world_size, "bytes": m.total_bytes, "shared_bytes": m.shared_bytes(),
             "files": [{"name": f.name, "bytes": f.size, "rank": f.rank} for f in m.files.values()],
             "tensors": tensors, "values": values, "metadata": jsonable(m.metadata),
             "metrics": jsonable(m.metrics)}
@@ -140,7 +146,9 @@ def show_command(ckpt: str, as_json: bool, select: str | None, storage_option: t
     for key, value in [("checkpoint", info["path"]), ("step", "-" if m.step is None else m.step),
                        ("created", when(m.created)), ("world size", m.world_size),
                        ("save id", f"{m.save_id} (manifest {m.seq}, format {m.version})"),
-                       ("files", f"{len(m.files)}, {human_bytes(m.total_bytes)}"),
+                       ("files", f"{len(m.files)}, {human_bytes(m.total_bytes)}"
+                                 + (f" (+ {human_bytes(m.shared_bytes())} shared with older checkpoints)"
+                                    if m.shared_files_bytes else "")),
                        ("metadata", compact(info["metadata"], 200) if m.metadata else "-"),
                        ("metrics", compact(info["metrics"], 200) if m.metrics else "-")]:
         head.add_row(text(key), text(value))

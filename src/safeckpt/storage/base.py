@@ -58,6 +58,19 @@ class Storage(ABC):
     def remove_folder(self) -> None:
         """Remove this folder if it is empty (a no-op where folders are implicit)."""
 
+    def parent(self) -> "Storage":
+        """The folder holding this one (incremental checkpoints read their siblings' data)."""
+        raise StorageError(f"{self.url}: this storage cannot reach its parent folder, which an "
+                           "incremental checkpoint needs to read data it shares with older ones")
+
+    def locate(self, name: str) -> tuple["Storage", str]:
+        """The folder and name of a file a manifest names: ``../<folder>/<file>`` is a file
+        of a sibling checkpoint (written by an earlier save of an incremental run)."""
+        if name.startswith("../"):
+            _, folder, file = name.split("/", 2)
+            return self.parent().child(folder), file
+        return self, name
+
     def read(self, name: str, offset: int = 0, size: int | None = None) -> bytes:
         """Read ``size`` bytes (default: to the end) of ``name`` from ``offset``."""
         if size is None:
@@ -68,8 +81,9 @@ class Storage(ABC):
 
     def size(self, name: str) -> int:
         """The size of a file; ``FileNotFoundError`` if it does not exist."""
+        here, name = self.locate(name)
         head, _, tail = name.rpartition("/")
-        folder = self.child(head) if head else self
+        folder = here.child(head) if head else here
         size = folder.listdir().get(tail)
         if size is None:
             raise FileNotFoundError(errno.ENOENT, "no such file", f"{self.url}/{name}")

@@ -170,12 +170,18 @@ class FsspecStorage(Storage):
 
     # -- naming ------------------------------------------------------------------------
     def child(self, name: str) -> "FsspecStorage":
+        return self._at(f"{self.path}/{name.strip('/')}" if self.path else name.strip("/"))
+
+    def parent(self) -> "FsspecStorage":
+        return self._at(self.path.rpartition("/")[0])
+
+    def _at(self, path: str) -> "FsspecStorage":
         sub = FsspecStorage.__new__(FsspecStorage)
         sub.__dict__.update(self.__dict__)
-        sub.path = f"{self.path}/{name.strip('/')}" if self.path else name.strip("/")
-        sub.url = self.fs.unstrip_protocol(sub.path)
+        sub.path = path
+        sub.url = self.fs.unstrip_protocol(path) if path else f"{self.protocol}://"
         if self.is_s3:
-            sub.bucket, _, sub.prefix = sub.path.partition("/")
+            sub.bucket, _, sub.prefix = path.partition("/")
         return sub
 
     def _full(self, name: str) -> str:

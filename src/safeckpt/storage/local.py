@@ -119,6 +119,9 @@ class LocalStorage(Storage):
     def child(self, name: str) -> "LocalStorage":
         return LocalStorage(self._full(name), fs=self.fs)
 
+    def parent(self) -> "LocalStorage":
+        return LocalStorage(os.path.dirname(self.path), fs=self.fs)
+
     def _ensure_folder(self, folder: str) -> None:
         if self.fs.isdir(folder):
             return

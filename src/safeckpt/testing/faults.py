@@ -218,6 +218,9 @@ class FaultyStorage(Storage):
     def child(self, name: str) -> "FaultyStorage":
         return FaultyStorage(self.inner.child(name), _shared=self._s)
 
+    def parent(self) -> "FaultyStorage":
+        return FaultyStorage(self.inner.parent(), _shared=self._s)
+
     def _start(self, kind: str, where: str) -> bool:
         counter = self._s.counter
         if counter.tick(kind, where):

@@ -67,6 +67,9 @@ class MemoryObjectStore(Storage):
     def child(self, name: str) -> "MemoryObjectStore":
         return MemoryObjectStore(self.bucket, self._key(name.strip("/")))
 
+    def parent(self) -> "MemoryObjectStore":
+        return MemoryObjectStore(self.bucket, self.prefix.rpartition("/")[0])
+
     def _op(self, kind: str, key: str, action: str) -> None:
         counter = self.bucket.counter
         if counter.tick(kind, key):

@@ -2,7 +2,8 @@
 
 For each profile (posix, nfs, windows, fuse-object, object-store) and scenario -- (a) a
 first save, (b) an overwrite of a committed checkpoint, (c) a CheckpointManager save
-that triggers keep_last retention -- ``safeckpt.testing.crash_points`` crashes the save
+that triggers keep_last retention, (d) the same with incremental saves, where the new
+checkpoint shares data with a retired one and retires another -- ``safeckpt.testing.crash_points`` crashes the save
 at every storage operation k (exhaustive) and cuts the power with several outcomes (a
 plain kill, everything unsynced dropped, random keep/drop/tear). After recovery:
 
@@ -19,6 +20,8 @@ cuts per crash point.
 
 from __future__ import annotations
 
+import copy
+import functools
 import time
 import warnings
 from collections import Counter
@@ -31,11 +34,13 @@ import safeckpt
 from safeckpt.lease import LEASE_RE
 from safeckpt.checkpoint import read_committed
 from safeckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from safeckpt.garbage import RETIRED
 from safeckpt.manager import step_folder
+from safeckpt.manifest import is_shared
 from safeckpt.storage import Storage
 from safeckpt.testing import PROFILES, crash_points
 
-SCENARIOS = ("first-save", "overwrite", "manager-retention")
+SCENARIOS = ("first-save", "overwrite", "manager-retention", "incremental-retention")
 MAX_GARBAGE_FILES = 2  # one checkpoint's files (data + manifest) of the one interrupted save
 
 
@@ -50,6 +55,9 @@ def make_state(seed: int) -> dict:
 
 
 STATES = {name: make_state(i + 1) for i, name in enumerate(["prev", "old", "new", "s1", "s2", "s3", "s4"])}
+FROZEN = torch.randn(8, 16, generator=torch.Generator().manual_seed(7))  # 8 chunks of 64 bytes
+for _name in ("s1", "s2", "s3", "s4"):
+    STATES["i" + _name] = {**STATES[_name], "frozen": FROZEN.clone()}
 
 
 def same(a, b) -> bool:
@@ -105,9 +113,13 @@ def garbage(root: Storage) -> list[str]:
                 m = read_committed(root.child(name))
             except (CheckpointNotFoundError, CorruptCheckpointError):
                 continue
-            used |= {f"{name}/{f}" for f in m.files} | {f"{name}/manifest-{m.seq:06d}.json"}
-    # writer leases are the root's live ownership record, not leftovers of a save
-    return [f for f in walk(root) if f not in used and not LEASE_RE.fullmatch(f)]
+            used |= {f[3:] if is_shared(f) else f"{name}/{f}" for f in m.files}
+            used.add(f"{name}/manifest-{m.seq:06d}.json")
+    # writer leases are the root's live ownership record, not leftovers of a save; a
+    # retired folder's marker belongs to the shared data it still holds
+    holding = {u.split("/")[0] for u in used}
+    return [f for f in walk(root) if f not in used and not LEASE_RE.fullmatch(f)
+            and not (f.endswith("/" + RETIRED) and f.split("/")[0] in holding)]
 
 
 # -- scenarios: setup, the crashed operation, and the checks after recovery --------------
@@ -129,18 +141,35 @@ def run_overwrite(root: Storage) -> None:
     safeckpt.save(STATES["new"], root.child("ckpt"), overwrite=True)
 
 
-def setup_manager(root: Storage) -> None:
-    mgr = safeckpt.CheckpointManager(root, keep_last=2)
-    mgr.save(1, STATES["s1"])
-    mgr.save(2, STATES["s2"])
+MANAGER_OPTIONS = {"manager-retention": {"keep_last": 2},
+                   "incremental-retention": {"keep_last": 1, "incremental": True, "chunk_size": 64}}
 
 
-def run_manager(root: Storage) -> None:
+def prefix_of(scenario: str) -> str:
+    """The incremental scenario's states carry a frozen tensor the saves share."""
+    return "i" if scenario == "incremental-retention" else ""
+
+
+def blank() -> dict:
+    """A fresh state to restore into (restoring replaces values in place, so no sharing)."""
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+            for k, v in make_state(99).items()} | {"frozen": torch.zeros_like(FROZEN)}
+
+
+def setup_manager(root: Storage, scenario: str = "manager-retention") -> None:
+    mgr = safeckpt.CheckpointManager(root, **MANAGER_OPTIONS[scenario])
+    mgr.save(1, STATES[prefix_of(scenario) + "s1"])
+    mgr.save(2, STATES[prefix_of(scenario) + "s2"])
+
+
+def run_manager(root: Storage, scenario: str = "manager-retention") -> None:
     """A resumed job: restore (which continues the run), then save and retire."""
-    mgr = safeckpt.CheckpointManager(root, keep_last=2)
-    mgr.restore({k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
-                 for k, v in make_state(99).items()})
-    mgr.save(3, STATES["s3"])
+    mgr = safeckpt.CheckpointManager(root, **MANAGER_OPTIONS[scenario])
+    target = blank()
+    if not prefix_of(scenario):
+        del target["frozen"]
+    mgr.restore(target)
+    mgr.save(3, STATES[prefix_of(scenario) + "s3"])
 
 
 def check_first(point, root: Storage) -> tuple[str, list[str]]:
@@ -181,28 +210,31 @@ def check_overwrite(point, root: Storage) -> tuple[str, list[str]]:
     return got, problems + _garbage_problems(left)
 
 
-def check_manager(point, root: Storage) -> tuple[str, list[str]]:
+def check_manager(point, root: Storage, scenario: str = "manager-retention") -> tuple[str, list[str]]:
     problems = []
-    expect = {1: "s1", 2: "s2", 3: "s3"}
+    p = prefix_of(scenario)
+    options = MANAGER_OPTIONS[scenario]
+    expect = {1: p + "s1", 2: p + "s2", 3: p + "s3"}
     got = {s: state_of(root.child(step_folder(s)), (expect[s],)) for s in expect}
     for s, g in got.items():
         if g.startswith("WRONG"):
             problems.append(f"step {s}: {g}")
-    if got[2] != "s2":
-        problems.append(f"step 2 (the newest committed before the save) is {got[2]!r}, not s2")
-    if got[1] == "none" and got[3] != "s3":
+    if got[2] != expect[2] and not (p and got[3] == expect[3]):
+        problems.append(f"step 2 (the newest committed before the save) is {got[2]!r}, not {expect[2]}")
+    if not p and got[1] == "none" and got[3] != expect[3]:
         problems.append("step 1 was deleted by retention although step 3 never committed")
-    if not point.crashed and got[3] != "s3":
+    if not point.crashed and got[3] != expect[3]:
         problems.append(f"mgr.save(3) returned, yet after the power cut step 3 is {got[3]!r} (not durable)")
     committed = sorted(s for s, g in got.items() if g == expect[s])
     left = garbage(root)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        mgr = safeckpt.CheckpointManager(root, keep_last=2)
+        mgr = safeckpt.CheckpointManager(root, **options)
         if mgr.steps() != committed:
             problems.append(f"mgr.steps() is {mgr.steps()}, the committed steps are {committed}")
-        target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
-                  for k, v in make_state(99).items()}
+        target = blank()
+        if not p:
+            del target["frozen"]
         # a resumed job restores the newest committed step, which continues that run
         # (so its retention may delete the run's older checkpoints)
         newest = mgr.latest_step()
@@ -212,13 +244,20 @@ def check_manager(point, root: Storage) -> tuple[str, list[str]]:
             problems.append(f"mgr.restore() did not pick the newest committed step {newest}")
         elif newest is not None and not same(target, STATES[expect[newest]]):
             problems.append(f"restoring the newest step {newest} does not load exactly")
-        mgr.save(4, STATES["s4"])
-        if mgr.steps() != sorted(set(committed) | {4})[-2:]:
+        mgr.save(4, STATES[p + "s4"])
+        keep = options["keep_last"]
+        if mgr.steps() != sorted(set(committed) | {4})[-keep:]:
             problems.append(f"after recovery and save(4), steps are {mgr.steps()}")
-        if state_of(root.child(step_folder(4)), ("s4",)) != "s4":
+        if state_of(root.child(step_folder(4)), (p + "s4",)) != p + "s4":
             problems.append("after recovery, save(4) does not load exactly")
+        if p and not any(is_shared(f) for f in read_committed(root.child(step_folder(4))).files):
+            problems.append("after recovery, the incremental save(4) shares nothing with the restored step")
+        for s in mgr.steps():
+            report = safeckpt.verify(root.child(step_folder(s)))
+            if not report.ok:
+                problems.append(f"after recovery, step {s} does not verify: {report.problems}")
     RESULTS_AFTER.append(len(garbage(root)))
-    label = f"3:{'new' if got[3] == 's3' else 'none'},1:{'kept' if got[1] == 's1' else 'gone'}"
+    label = f"3:{'new' if got[3] == expect[3] else 'none'},1:{'kept' if got[1] == expect[1] else 'gone'}"
     return label, problems + _garbage_problems(left)
 
 
@@ -233,6 +272,9 @@ SCENARIO_FUNCS = {
     "first-save": (setup_first, run_first, check_first),
     "overwrite": (setup_overwrite, run_overwrite, check_overwrite),
     "manager-retention": (setup_manager, run_manager, check_manager),
+    "incremental-retention": (functools.partial(setup_manager, scenario="incremental-retention"),
+                              functools.partial(run_manager, scenario="incremental-retention"),
+                              functools.partial(check_manager, scenario="incremental-retention")),
 }
 
 

@@ -20,6 +20,7 @@ from . import garbage
 from .asyncsave import AsyncSaver, SaveFuture, background_group
 from .checkpoint import CheckpointInfo, load, read_committed, retire, save_request
 from .incremental import CHUNK_SIZE
+from .tiered import Replicator, tier_candidates
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
 from .group import SingleGroup, TorchGroup, resolve
 from .lease import WriterLease
@@ -52,19 +53,33 @@ class CheckpointManager:
     With ``incremental=True`` each save writes only the chunks (``chunk_size`` bytes of
     a tensor at most) that the run's newest committed checkpoint does not already hold,
     and references the rest; every checkpoint still loads on its own, and data is
-    deleted only when no committed checkpoint references it."""
+    deleted only when no committed checkpoint references it.
+
+    With ``local=PATH`` saves commit on that (fast, node-local) disk and are copied to
+    ``root`` in the background, data first and manifest last (see ``tiered``); the
+    local tier keeps the newest ``keep_local``, ``root`` follows the retention rules,
+    and ``restore`` takes the newest valid checkpoint of either tier, local first."""
 
     def __init__(self, root: "str | Storage", *, keep_last: int | None = None,
                  keep_best: int | None = None, best_metric: str | None = None,
                  best_mode: str = "min", keep_every: int | None = None, async_save: bool = False,
                  process_group: Any = None, storage_options: dict | None = None,
                  allow_pickle: bool = False, handle_sigterm: bool = False,
-                 incremental: bool = False, chunk_size: int = CHUNK_SIZE) -> None:
+                 incremental: bool = False, chunk_size: int = CHUNK_SIZE,
+                 local: "str | Storage | None" = None, keep_local: int = 2) -> None:
         if type(chunk_size) is not int or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int (bytes), not {chunk_size!r}")
         self.retention = Retention(keep_last, keep_best, best_metric, best_mode, keep_every)
+        self.local_retention = Retention(keep_last=keep_local)
         self.chunk_size = chunk_size if incremental else None
-        self.storage = open_storage(root, **(storage_options or {}))
+        self.storage = open_storage(root, **(storage_options or {}))  # the durable root
+        self.local = None if local is None else open_storage(local, **(storage_options or {}))
+        if self.local is not None and self.local.url == self.storage.url:
+            raise ValueError(f"local ({self.local.url}) must be another place than root")
+        self.tiers = [self.storage] if self.local is None else [self.local, self.storage]
+        self._replicator = None if self.local is None else Replicator(
+            self.local, self.storage, lambda: [step_folder(s) for s in self._step_folders(self.storage)],
+            self._after_replication)
         self.process_group = process_group
         self.allow_pickle = allow_pickle
         self.run_id = uuid.uuid4().hex[:16]
@@ -99,17 +114,22 @@ class CheckpointManager:
         return result
 
     # -- listing ---------------------------------------------------------------------
-    def _step_folders(self) -> list[int]:
-        found = [int(m.group(1)) for name, size in self.storage.listdir().items()
+    @property
+    def save_root(self) -> Storage:
+        """Where saves commit: the local tier, if there is one."""
+        return self.tiers[0]
+
+    def _step_folders(self, root: Storage | None = None) -> list[int]:
+        found = [int(m.group(1)) for name, size in (root or self.save_root).listdir().items()
                  if size is None and (m := STEP_RE.fullmatch(name))]
         return sorted(found)
 
-    def _read(self, step: int) -> tuple[str, Manifest | str]:
+    def _read(self, step: int, root: Storage | None = None) -> tuple[str, Manifest | str]:
         """("ok", manifest), ("incomplete", why) when no manifest exists (a save that
         never committed), ("damaged", why) when a manifest exists but is not valid, or
         ("newer", why) when a newer safeckpt wrote it, ("retired", why) when retention
         deleted it but it still holds data that later checkpoints share."""
-        folder = self.storage.child(step_folder(step))
+        folder = (root or self.save_root).child(step_folder(step))
         listing = folder.listdir()
         try:
             return "ok", read_committed(folder, listing)
@@ -122,27 +142,30 @@ class CheckpointManager:
         except CorruptCheckpointError as exc:
             return "damaged", str(exc)
 
-    def _committed(self) -> dict[int, Manifest]:
+    def _committed(self, root: Storage | None = None) -> dict[int, Manifest]:
         out = {}
-        for step in self._step_folders():
-            status, m = self._read(step)
+        for step in self._step_folders(root):
+            status, m = self._read(step, root)
             if status == "ok":
                 out[step] = m
         return out
 
     def steps(self) -> list[int]:
-        """Steps with a committed checkpoint (valid manifest), ascending."""
-        return self._on_rank0(lambda: sorted(self._committed()))
+        """Steps with a committed checkpoint (valid manifest) in any tier, ascending."""
+        return self._on_rank0(lambda: sorted(set().union(*(self._committed(t) for t in self.tiers))))
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
-        def newest() -> int | None:
-            return next((s for s in reversed(self._step_folders()) if self._read(s)[0] == "ok"), None)
-        return self._on_rank0(newest)
+        """The newest committed step in any tier, or None."""
+        def newest(root: Storage) -> int | None:
+            return next((s for s in reversed(self._step_folders(root)) if self._read(s, root)[0] == "ok"), None)
+        return self._on_rank0(lambda: max((s for t in self.tiers if (s := newest(t)) is not None), default=None))
 
     def path(self, step: int) -> str:
-        """Where the checkpoint of ``step`` lives."""
-        return self.storage.child(step_folder(step)).url
+        """Where the checkpoint of ``step`` lives (the local tier's copy when it has one)."""
+        def where() -> str:
+            root = next((t for t in self.tiers if self._read(step, t)[0] == "ok"), self.save_root)
+            return root.child(step_folder(step)).url
+        return self._on_rank0(where) if len(self.tiers) > 1 else self.save_root.child(step_folder(step)).url
 
     # -- saving ----------------------------------------------------------------------
     def save(self, step: int, state: dict, *, metrics: dict | None = None,
@@ -155,7 +178,7 @@ class CheckpointManager:
         if self._saver is not None:
             self._saver.wait()  # one save in flight; an unseen error surfaces here
         self._on_rank0(self._check_lease)  # a second job fails here, before writing anything
-        folder = self.storage.child(step_folder(step))
+        folder = self.save_root.child(step_folder(step))
         group = background_group(self.process_group) if self._saver else self.group
         request = save_request(folder, metadata=metadata, metrics=metrics, step=step,
                                process_group=group, allow_pickle=self.allow_pickle,
@@ -187,17 +210,26 @@ class CheckpointManager:
                  info.step, info.bytes, info.seconds, info.gbps, blocked, info.path)
         if self.group.rank != 0:
             return
+        retention = self.retention if self._replicator is None else self.local_retention
+        copying = set() if self._replicator is None else self._replicator.in_flight
         try:
-            self._retain(just_saved=info.step)
-            garbage.collect(self.storage, incomplete=False)
+            self._retain(self.save_root, retention, info.step, {int(f[5:]) for f in copying})
+            garbage.collect(self.save_root, incomplete=False)
         except OSError as exc:  # the save is committed; a failed cleanup is not its error
             warnings.warn(f"saved step {info.step}, but cleaning up older checkpoints failed: {exc}",
                           stacklevel=3)
+        if self._replicator is not None:
+            self._replicator.submit(step_folder(info.step))
+
+    def _after_replication(self, m: Manifest) -> None:
+        """The replicator's thread, after a copy committed in the durable root."""
+        self._retain(self.storage, self.retention, m.step)
+        garbage.collect(self.storage, incomplete=False)
 
     def _base(self, step: int) -> tuple[str, Manifest] | None:
         """Rank 0: the newest committed checkpoint of this run, whose chunks a save shares."""
-        for s in reversed(self._step_folders()):
-            status, m = self._read(s) if s != step else ("", None)
+        for s in reversed(self._step_folders(self.save_root)):
+            status, m = self._read(s, self.save_root) if s != step else ("", None)
             if status == "ok" and isinstance(m, Manifest) and m.run_id == self.run_id:
                 return step_folder(s), m
         return None
@@ -209,35 +241,38 @@ class CheckpointManager:
         else:
             self._lease.check()
 
-    def _retain(self, just_saved: int | None) -> None:
-        if self.retention.keeps_all:
+    def _retain(self, root: Storage, retention: Retention, just_saved: int | None,
+                protect: set[int] = frozenset()) -> None:
+        if retention.keeps_all:
             return
-        committed = self._committed()
+        committed = self._committed(root)
         mine = {s: m.metrics for s, m in committed.items() if m.run_id == self.run_id}
         others = sorted(s for s, m in committed.items() if m.run_id != self.run_id)
         if others and not self._warned_foreign:
             self._warned_foreign = True
-            warnings.warn(f"{self.storage.url} holds checkpoints of another run (steps {others}); "
+            warnings.warn(f"{root.url} holds checkpoints of another run (steps {others}); "
                           "retention leaves them alone. Call restore() to continue that run, or "
                           "delete them yourself", stacklevel=4)
-        keep = self.retention.keep(mine, protect={just_saved} if just_saved is not None else set())
+        keep = retention.keep(mine, protect={just_saved, *protect} if just_saved is not None else set(protect))
         doomed = sorted(s for s in mine if s not in keep and s != max(committed))
         if doomed:
             self._check_lease()
         for step in doomed:
-            self._delete(step, committed)
+            self._delete(root, step, committed)
             del committed[step]
 
     def delete(self, step: int) -> None:
-        """Delete a checkpoint: manifests first (durably), then the data no other
-        checkpoint shares, then the folder. Shared data stays (the folder marked
-        retired) until garbage collection finds nothing needs it."""
+        """Delete a checkpoint (from every tier): manifests first (durably), then the data
+        no other checkpoint shares, then the folder. Shared data stays (the folder
+        marked retired) until garbage collection finds nothing needs it."""
         self._check_lease()
-        self._delete(step, self._committed())
+        self.wait()
+        for root in self.tiers:
+            self._delete(root, step, self._committed(root))
 
-    def _delete(self, step: int, committed: dict[int, Manifest]) -> None:
+    def _delete(self, root: Storage, step: int, committed: dict[int, Manifest]) -> None:
         name = step_folder(step)
-        folder = self.storage.child(name)
+        folder = root.child(name)
         shared = garbage.shared_files({s: m for s, m in committed.items() if s != step}).get(name, set())
         if shared:
             try:  # before the manifest goes: a crash leaves a marked folder, never an unknown one
@@ -247,74 +282,93 @@ class CheckpointManager:
         retire(folder, keep=None, spare=shared)
         if not shared:
             folder.remove_folder()
-        log.info("deleted checkpoint of step %d%s", step, f" ({len(shared)} shared file(s) kept)" if shared else "")
+        log.info("deleted checkpoint of step %d from %s%s", step, root.url,
+                 f" ({len(shared)} shared file(s) kept)" if shared else "")
 
     def gc(self, *, dry_run: bool = False, min_age_s: float | None = None) -> list[str]:
         """Remove files of interrupted saves and data no committed checkpoint needs;
         never a committed checkpoint or a file safeckpt did not write. Call it between
         saves (the manager does, after each commit); ``min_age_s`` also spares saves
         younger than that, for use while another process may be saving. Returns what
-        was (or would be) removed."""
+        was (or would be) removed (with a local tier, prefixed by each tier's URL)."""
         self.wait()  # a save in flight is not garbage
         if not dry_run:
             self._check_lease()
-        return garbage.collect(self.storage, min_age_s=min_age_s, dry_run=dry_run)
+        if len(self.tiers) == 1:
+            return garbage.collect(self.storage, min_age_s=min_age_s, dry_run=dry_run)
+        return [f"{t.url}/{name}" for t in self.tiers
+                for name in garbage.collect(t, min_age_s=min_age_s, dry_run=dry_run)]
 
     # -- restoring ---------------------------------------------------------------------
     def restore(self, state: dict, step: int | None = None, *, strict: bool = True) -> int | None:
         """Load the newest valid checkpoint (or ``step``) into ``state``; return its step.
 
         Incomplete saves and corrupt checkpoints are skipped with a warning naming each.
-        Returns None when the root has no committed checkpoint; raises
-        ``CorruptCheckpointError`` if committed ones exist but none loads (the state
-        may then be partly overwritten). Restoring continues that checkpoint's run."""
+        With a local tier, a step is taken from the local disk when it holds a valid
+        copy and from ``root`` otherwise. Returns None when no tier has a committed
+        checkpoint; raises ``CorruptCheckpointError`` if committed ones exist but none
+        loads (the state may then be partly overwritten). Restoring continues that
+        checkpoint's run."""
         self._check_open()
         self.wait()
-        if step is not None:
-            self._load(state, step, strict)
-            status, run_id = self._on_rank0(lambda: self._described(step))
-            self.run_id = run_id or self.run_id
-            return step
-        candidates = self._on_rank0(lambda: [(s, *self._described(s)) for s in reversed(self._step_folders())])
+        where = " and ".join(t.url for t in self.tiers)
+        candidates = self._on_rank0(lambda: self._candidates(step))
         skipped: list[str] = []
         failed = False
-        for i, (candidate, status, detail) in enumerate(candidates):
+        newest_seen: set[int] = set()
+        for candidate, tier, status, detail in candidates:
+            root = self.tiers[tier]
+            first_of_tier = tier not in newest_seen
+            newest_seen.add(tier)
             if status == "newer":  # resuming from an older step instead would lose work
                 raise UnsupportedFormatError(detail)
             if status == "retired":
                 continue
             if status != "ok":
                 # a crash can leave only the newest save torn; older damage is corruption
-                failed = failed or (status == "damaged" and i > 0)
-                skipped.append(f"step {candidate}: not committed ({detail})")
+                failed = failed or (status == "damaged" and (not first_of_tier or step is not None))
+                skipped.append(f"step {candidate} in {root.url}: not committed ({detail})")
                 continue
             try:
-                self._load(state, candidate, strict)
+                self._load(state, root, candidate, strict)
             except (CheckpointNotFoundError, CorruptCheckpointError, StorageError) as exc:
-                skipped.append(f"step {candidate}: {exc}")
+                skipped.append(f"step {candidate} in {root.url}: {exc}")
                 failed = True
                 continue
             if skipped:
-                warnings.warn(f"restored step {candidate} from {self.storage.url}; skipped:\n  "
+                warnings.warn(f"restored step {candidate} from {root.url}; skipped:\n  "
                               + "\n  ".join(skipped), stacklevel=2)
-            log.info("restored step %d from %s", candidate, self.storage.url)
+            log.info("restored step %d from %s", candidate, root.url)
             self.run_id = detail or self.run_id
+            if tier == 0 and self._replicator is not None and self.group.rank == 0 \
+                    and self._read(candidate, self.storage)[0] != "ok":
+                self._replicator.submit(step_folder(candidate))  # a copy the last job did not finish
             return candidate
         if failed:
             raise CorruptCheckpointError(
-                f"no checkpoint in {self.storage.url} could be restored:\n  " + "\n  ".join(skipped))
+                f"no checkpoint {'' if step is None else f'of step {step} '}in {where} could be restored:\n  "
+                + "\n  ".join(skipped))
+        if step is not None:
+            raise CheckpointNotFoundError(f"no committed checkpoint of step {step} in {where}"
+                                          + "".join(f"; {s}" for s in skipped))
         if skipped:
-            warnings.warn(f"no committed checkpoint in {self.storage.url}; skipped:\n  "
-                          + "\n  ".join(skipped), stacklevel=2)
+            warnings.warn(f"no committed checkpoint in {where}; skipped:\n  " + "\n  ".join(skipped),
+                          stacklevel=2)
         return None
 
-    def _described(self, step: int) -> tuple[str, str | None]:
+    def _candidates(self, step: int | None) -> list[tuple[int, int, str, str | None]]:
+        """Rank 0: (step, tier, status, run id or why not) to try, in order."""
+        listings = [[(s, *self._described(s, root)) for s in self._step_folders(root) if step in (None, s)]
+                    for root in self.tiers]
+        return tier_candidates(listings)
+
+    def _described(self, step: int, root: Storage) -> tuple[str, str | None]:
         """(status, run id of the checkpoint when ok, else why not): picklable for ranks."""
-        status, m = self._read(step)
+        status, m = self._read(step, root)
         return status, (m.run_id if isinstance(m, Manifest) else m)
 
-    def _load(self, state: dict, step: int, strict: bool) -> None:
-        load(state, self.storage.child(step_folder(step)), strict=strict,
+    def _load(self, state: dict, root: Storage, step: int, strict: bool) -> None:
+        load(state, root.child(step_folder(step)), strict=strict,
              process_group=self.group, allow_pickle=self.allow_pickle)
 
     # -- preemption --------------------------------------------------------------------
@@ -332,8 +386,12 @@ class CheckpointManager:
 
     # -- lifecycle ---------------------------------------------------------------------
     def wait(self) -> CheckpointInfo | None:
-        """Block until the save in flight has committed; raise its error if nobody saw it."""
-        return self._saver.wait() if self._saver is not None else None
+        """Block until the save in flight has committed (and, with a local tier, been
+        copied to ``root``); raise its error if nobody saw it."""
+        info = self._saver.wait() if self._saver is not None else None
+        if self._replicator is not None:
+            self._replicator.wait()
+        return info
 
     def close(self) -> None:
         """Commit what is in flight; the manager cannot be used afterwards."""
@@ -344,8 +402,15 @@ class CheckpointManager:
             if self._saver is not None:
                 self._saver.close()
         finally:
-            if self._old_handler is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-                signal.signal(signal.SIGTERM, _unwrap_closed(self._old_handler))
+            try:
+                if self._replicator is not None:
+                    self._replicator.close()
+            finally:
+                self._restore_handler()
+
+    def _restore_handler(self) -> None:
+        if self._old_handler is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, _unwrap_closed(self._old_handler))
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,0 +1,167 @@
+"""Two tiers: commit on a fast local disk, then copy to the durable root in the background.
+
+A copy follows the rule every save follows: each data file first, durable on return,
+the manifest last and byte for byte, so the durable copy is committed exactly when it
+is complete and a crash at any point leaves at most garbage there. Incremental
+checkpoints name files of earlier checkpoints (``../step-.../data-...``); the copy
+brings along each such file the durable root does not already hold under a committed
+manifest. Only the newest waiting checkpoint is copied: a newer one supersedes older
+ones that have not started yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from typing import Any, Callable, Iterator
+
+from .checkpoint import read_committed
+from .commit import DATA_RE
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError
+from .manifest import Manifest, is_shared, manifest_name, manifest_seq
+from .storage import Storage
+
+log = logging.getLogger("safeckpt")
+COPY_BLOCK = 16 << 20
+
+
+def _parts(storage: Storage, name: str, size: int) -> Iterator[bytes]:
+    """A file's bytes in blocks, for streaming it into another storage."""
+    for offset in range(0, size, COPY_BLOCK):
+        yield storage.read(name, offset, min(COPY_BLOCK, size - offset))
+
+
+def copy_file(src: Storage, src_name: str, dst: Storage, dst_name: str, size: int) -> None:
+    """Copy one immutable file; durable at the destination on return."""
+    written = dst.write_file(dst_name, _parts(src, src_name, size) if size else [b""])
+    if written != size:
+        raise SaveAbortedError(f"copying {src.url}/{src_name} to {dst.url}/{dst_name} wrote {written} "
+                               f"bytes, expected {size} (did the source change?)")
+
+
+def committed_files(root: Storage, folders: list[str]) -> set[str]:
+    """``folder/file`` of every file a committed checkpoint under ``root`` names: these
+    are complete and durable, so a copy never needs to write them again."""
+    out: set[str] = set()
+    for folder in folders:
+        try:
+            m = read_committed(root.child(folder))
+        except CheckpointError:
+            continue
+        out |= {name[3:] if is_shared(name) else f"{folder}/{name}" for name in m.files}
+    return out
+
+
+def replicate(local: Storage, durable: Storage, folder: str, trusted: set[str]) -> Manifest:
+    """Copy the committed checkpoint ``folder`` from ``local`` to ``durable``: data files
+    first, the manifest last. ``trusted`` (``folder/file`` of the files committed
+    checkpoints in the durable root name) are not copied again. Returns the manifest."""
+    src, dst = local.child(folder), durable.child(folder)
+    m = read_committed(src)
+    there = dst.listdir()
+    try:
+        done = read_committed(dst, there)
+    except (CheckpointNotFoundError, CorruptCheckpointError):
+        done = None
+    if done is not None:
+        if done.save_id != m.save_id:
+            raise SaveAbortedError(
+                f"{dst.url} already holds a different checkpoint of step {m.step} (save {done.save_id}, "
+                f"local {m.save_id}): another job wrote this durable root; not replacing it")
+        return m
+    for name, f in m.files.items():
+        key = name[3:] if is_shared(name) else f"{folder}/{name}"
+        if key in trusted:
+            continue
+        (s_store, s_name), (d_store, d_name) = src.locate(name), dst.locate(name)
+        d_store.delete([d_name])  # a leftover of an interrupted copy: no committed manifest names it
+        copy_file(s_store, s_name, d_store, d_name, f.size)
+    name = manifest_name(m.seq)
+    stale = [n for n in there if manifest_seq(n) is not None
+             or (DATA_RE.fullmatch(n) and n not in m.files and f"{folder}/{n}" not in trusted)]
+    dst.delete(stale)  # torn manifests and data of an interrupted copy of another attempt
+    dst.write_file(name, [src.read(name)])
+    read_committed(dst)  # the copy must be committed now, or this raises what is wrong
+    return m
+
+
+class Replicator:
+    """Rank 0's background copier from the local tier to the durable root.
+
+    ``submit(folder)`` queues a committed local checkpoint; a newer one replaces one that
+    has not started. The worker thread is not a daemon, so a process that exits without
+    ``close()`` still finishes the copy in progress. Errors are logged and warned at
+    once (training goes on) and raised by ``wait()``/``close()``. ``after(step)`` runs
+    after each copy (the durable tier's retention)."""
+
+    def __init__(self, local: Storage, durable: Storage, list_folders: Callable[[], list[str]],
+                 after: Callable[[Manifest], None]) -> None:
+        self.local = local
+        self.durable = durable
+        self.list_folders = list_folders
+        self.after = after
+        self._lock = threading.Condition()
+        self._pending: str | None = None
+        self._busy: str | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, folder: str) -> None:
+        with self._lock:
+            self._pending = folder
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="safeckpt-replicate")
+                self._thread.start()
+
+    @property
+    def in_flight(self) -> set[str]:
+        """Folders queued or being copied (local retention must keep them)."""
+        with self._lock:
+            return {f for f in (self._pending, self._busy) if f is not None}
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                folder, self._pending, self._busy = self._pending, None, self._pending
+                if folder is None:
+                    self._thread = None
+                    self._lock.notify_all()
+                    return
+            try:
+                self._copy(folder)
+            except Exception as exc:  # noqa: BLE001 - kept for wait()/close(); training goes on
+                with self._lock:
+                    self._error = exc
+                log.error("replicating %s to %s failed: %s", folder, self.durable.url, exc)
+                warnings.warn(f"replicating {folder} to {self.durable.url} failed (the local copy is "
+                              f"intact; the next save retries): {exc}", stacklevel=1)
+            finally:
+                with self._lock:
+                    self._busy = None
+
+    def _copy(self, folder: str) -> None:
+        # read afresh each time: the durable tier's retention may have deleted files since
+        m = replicate(self.local, self.durable, folder, committed_files(self.durable, self.list_folders()))
+        log.info("replicated step %s to %s", m.step, self.durable.child(folder).url)
+        self.after(m)
+
+    def wait(self) -> None:
+        """Block until every queued copy is done; raise the last error nobody saw."""
+        with self._lock:
+            while self._thread is not None:
+                self._lock.wait()
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        self.wait()
+
+
+def tier_candidates(listings: list[list[tuple[int, Any, Any]]]) -> list[tuple[int, int, Any, Any]]:
+    """Restore order across tiers: newest step first; for one step, the first tier (the
+    local disk) first. Each listing holds (step, status, detail) of one tier."""
+    rows = [(step, tier, status, detail) for tier, listing in enumerate(listings)
+            for step, status, detail in listing]
+    return sorted(rows, key=lambda r: (-r[0], r[1]))

@@ -17,6 +17,9 @@ its AdamW state after one step). Sections (``--sections``, default all):
   rss       peak extra RSS of one sync save, fresh process (``save_load.py``)
   dist      1, 2, 4 ranks over gloo, sharded large state (``dist_bench.py``)
   s3        the S3 test server (moto, started here) (``s3_bench.py``)
+  incremental  10 saves of a 90%-frozen model: bytes and time, full vs incremental vs the
+            peers; hashing overhead when nothing is shared (``incremental_bench.py``)
+  tiered    local tier + S3 vs straight to S3: time blocked, time to durability
 Writes benchmarks/results/run_all.json, run_all.md and chart.png (``--quick``: under
 results/quick/), and prints Markdown tables ready for the README, ending with the targets.
 """
@@ -42,18 +45,19 @@ from common import (HERE, MiB, cpu_snapshot, default_dir, filesystem_of, flatten
                     other_cpu_share, setup_dcp, source_fingerprint, state_nbytes, versions, busy_note,
                     freeze_heap)
 
-SECTIONS = ["saveload", "async", "checksum", "rss", "dist", "s3"]
+SECTIONS = ["saveload", "async", "checksum", "rss", "dist", "s3", "incremental", "tiered"]
 SECONDARY_LOADERS = {"safeckpt.load_state", "torch.load(mmap=True)"}
 
 
 def config(args: argparse.Namespace) -> dict:
     if args.quick:
         c = dict(large_mib=16, n_large=50, n_small=500, small_kib=8, d_model=64, layers=2, repeat=1,
-                 ranks=[2], dist_mib=16, s3_mib=8, rss_mib=[16], max_alone_s=0.3, window_s=0.3, slow_op_s=None)
+                 ranks=[2], dist_mib=16, s3_mib=8, rss_mib=[16], max_alone_s=0.3, window_s=0.3, slow_op_s=None,
+                 inc_mib=16, inc_saves=3, tier_mib=8)
     else:
         c = dict(large_mib=1024, n_large=50, n_small=20000, small_kib=8, d_model=512, layers=4, repeat=3,
                  ranks=[1, 2, 4], dist_mib=1024, s3_mib=128, rss_mib=[256, 1024], max_alone_s=1.0, window_s=2.0,
-                 slow_op_s=5.0)
+                 slow_op_s=5.0, inc_mib=512, inc_saves=10, tier_mib=128)
     if args.repeat:
         c["repeat"] = args.repeat
     if args.ranks:
@@ -152,6 +156,20 @@ def compute_targets(res: dict) -> list[dict]:
         rows.append(_t("checksums < 10% of save time", case, "< 10%", max(0.0, c["save_share"]), "<=", 0.10, "%",
                        "(save − save without checksums) ÷ save",
                        note=f"xxh3 alone = {c['cpu_share_of_save']:.1%} of the save's time"))
+    inc = res.get("incremental", {})
+    if inc.get("tools"):
+        full, mine = inc["tools"]["safeckpt full saves"], inc["tools"]["safeckpt incremental"]
+        rows.append(_t("incremental: bytes written ≤ 0.2× a full save", f"{inc['frozen_share']:.0%} frozen",
+                       "≤ 0.20×", mine["later_bytes"] / full["later_bytes"], "<=", 0.2, "×",
+                       "bytes per save after the first ÷ full save's"))
+        rows.append(_t("incremental: hashing overhead < 10% when nothing is shared", "all tensors change",
+                       "< 10%", max(0.0, inc["nothing_shared"]["overhead"]), "<=", 0.10, "%",
+                       "incremental s ÷ full s − 1"))
+    tier = res.get("tiered", {}).get("modes", {})
+    if tier:
+        direct, local = tier["straight to S3"], tier["local tier + S3"]
+        rows.append(_t("local tier: training blocked ≤ 0.5× straight to S3", "large fp32", "≤ 0.50×",
+                       local["blocked_s"] / direct["blocked_s"], "<=", 0.5, "×", "blocked s ÷ straight-to-S3 s"))
     for key, r in rss.items():
         if key.startswith("safeckpt.save") and "extra_bytes" in r:
             rows.append(_t("peak extra RSS of a sync save < 256 MiB", f"large fp32 {r['state_bytes'] / MiB:,.0f} MiB",
@@ -160,7 +178,7 @@ def compute_targets(res: dict) -> list[dict]:
 
 
 def targets_table(rows: list[dict]) -> str:
-    lines = ["### targets (issue 8 / issue 5): target vs measured", "",
+    lines = ["### targets (issues 5, 8, 9): target vs measured", "",
              "| target | state | goal | measured (medians) | best runs | met? | margin | measured as | note |",
              "|---|---|---|---:|---:|---|---|---|---|"]
     for r in rows:
@@ -204,6 +222,7 @@ def report(res: dict) -> str:
     from async_bench import async_table
     from checksum_bench import checksum_table
     from dist_bench import dist_table
+    from incremental_bench import incremental_table, tiered_table
     from s3_bench import s3_table
     from save_load import case_table
 
@@ -230,6 +249,10 @@ def report(res: dict) -> str:
         out.append(dist_table(res["dist"]))
     if res.get("s3"):
         out.append(s3_table(res["s3"]))
+    if res.get("incremental"):
+        out.append(incremental_table(res["incremental"]))
+    if res.get("tiered"):
+        out.append(tiered_table(res["tiered"]))
     out.append(targets_table(res["targets"]))
     return "\n".join(out)
 
@@ -274,7 +297,8 @@ def main() -> int:
     dcp_mode = setup_dcp()
     workdir = Path(tempfile.mkdtemp(prefix=".safeckpt-bench-", dir=base))
     can_drop = [True]
-    res: dict = {"config": c, "saveload": {}, "async": {}, "checksum": {}, "rss": {}, "dist": {}, "s3": {}}
+    res: dict = {"config": c, "saveload": {}, "async": {}, "checksum": {}, "rss": {}, "dist": {}, "s3": {},
+                 "incremental": {}, "tiered": {}}
     timing: dict[str, dict] = {}
 
     def section(name: str):
@@ -344,6 +368,16 @@ def main() -> int:
             with section("s3"):
                 print("  [s3] starting moto", file=sys.stderr, flush=True)
                 res["s3"] = run_s3(c["s3_mib"], c["n_large"], c["repeat"], workdir, not args.no_verify)
+        if "incremental" in sections:
+            from incremental_bench import run_incremental
+
+            with section("incremental"):
+                res["incremental"] = run_incremental(c["inc_mib"], 40, c["inc_saves"], workdir)
+        if "tiered" in sections:
+            from incremental_bench import run_tiered
+
+            with section("tiered"):
+                res["tiered"] = run_tiered(c["tier_mib"], c["n_large"], c["inc_saves"], workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     for rec in timing.values():
@@ -375,8 +409,9 @@ def main() -> int:
     errors += [f"dist/{w}" for w, r in res["dist"].items() if r.get("error") or r.get("errors")]
     errors += [f"s3/{op}" for op in res["s3"].get("errors", {})]
     errors += [f"rss/{k}" for k, r in res["rss"].items() if "error" in r]
-    if res["s3"].get("error") and not res["s3"]["error"].startswith("skipped"):
-        errors.append("s3")
+    for name in ("s3", "tiered"):
+        if res[name].get("error") and not res[name]["error"].startswith("skipped"):
+            errors.append(name)
     if errors:
         print(f"errors in: {', '.join(errors)}", file=sys.stderr)
         return 1

@@ -79,7 +79,7 @@ class CheckpointManager:
         self.tiers = [self.storage] if self.local is None else [self.local, self.storage]
         self._replicator = None if self.local is None else Replicator(
             self.local, self.storage, lambda: [step_folder(s) for s in self._step_folders(self.storage)],
-            self._after_replication)
+            before_commit=self._check_lease, after=self._after_replication)
         self.process_group = process_group
         self.allow_pickle = allow_pickle
         self.run_id = uuid.uuid4().hex[:16]
@@ -177,12 +177,13 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         if self._saver is not None:
             self._saver.wait()  # one save in flight; an unseen error surfaces here
-        self._on_rank0(self._check_lease)  # a second job fails here, before writing anything
+        if self._replicator is None or self._lease is None:
+            self._on_rank0(self._check_lease)  # a second job fails here, before writing anything
         folder = self.save_root.child(step_folder(step))
         group = background_group(self.process_group) if self._saver else self.group
         request = save_request(folder, metadata=metadata, metrics=metrics, step=step,
                                process_group=group, allow_pickle=self.allow_pickle,
-                               before_commit=self._check_lease)
+                               before_commit=self._check_lease if self._replicator is None else None)
         request.run_id = self.run_id
         if self.chunk_size is not None:
             request.chunk_size = self.chunk_size
@@ -213,7 +214,8 @@ class CheckpointManager:
         retention = self.retention if self._replicator is None else self.local_retention
         copying = set() if self._replicator is None else self._replicator.in_flight
         try:
-            self._retain(self.save_root, retention, info.step, {int(f[5:]) for f in copying})
+            self._retain(self.save_root, retention, info.step, {int(f[5:]) for f in copying},
+                         fenced=self._replicator is None)
             garbage.collect(self.save_root, incomplete=False)
         except OSError as exc:  # the save is committed; a failed cleanup is not its error
             warnings.warn(f"saved step {info.step}, but cleaning up older checkpoints failed: {exc}",
@@ -242,7 +244,7 @@ class CheckpointManager:
             self._lease.check()
 
     def _retain(self, root: Storage, retention: Retention, just_saved: int | None,
-                protect: set[int] = frozenset()) -> None:
+                protect: set[int] = frozenset(), fenced: bool = True) -> None:
         if retention.keeps_all:
             return
         committed = self._committed(root)
@@ -255,7 +257,7 @@ class CheckpointManager:
                           "delete them yourself", stacklevel=4)
         keep = retention.keep(mine, protect={just_saved, *protect} if just_saved is not None else set(protect))
         doomed = sorted(s for s in mine if s not in keep and s != max(committed))
-        if doomed:
+        if doomed and fenced:
             self._check_lease()
         for step in doomed:
             self._delete(root, step, committed)

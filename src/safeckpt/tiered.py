@@ -53,10 +53,12 @@ def committed_files(root: Storage, folders: list[str]) -> set[str]:
     return out
 
 
-def replicate(local: Storage, durable: Storage, folder: str, trusted: set[str]) -> Manifest:
+def replicate(local: Storage, durable: Storage, folder: str, trusted: set[str],
+              before_commit: Callable[[], None] = lambda: None) -> Manifest:
     """Copy the committed checkpoint ``folder`` from ``local`` to ``durable``: data files
-    first, the manifest last. ``trusted`` (``folder/file`` of the files committed
-    checkpoints in the durable root name) are not copied again. Returns the manifest."""
+    first, the manifest last (``before_commit`` runs just before it: the writer lease
+    check). ``trusted`` (``folder/file`` of the files committed checkpoints in the
+    durable root name) are not copied again. Returns the manifest."""
     src, dst = local.child(folder), durable.child(folder)
     m = read_committed(src)
     there = dst.listdir()
@@ -81,6 +83,7 @@ def replicate(local: Storage, durable: Storage, folder: str, trusted: set[str]) 
     stale = [n for n in there if manifest_seq(n) is not None
              or (DATA_RE.fullmatch(n) and n not in m.files and f"{folder}/{n}" not in trusted)]
     dst.delete(stale)  # torn manifests and data of an interrupted copy of another attempt
+    before_commit()
     dst.write_file(name, [src.read(name)])
     read_committed(dst)  # the copy must be committed now, or this raises what is wrong
     return m
@@ -90,16 +93,19 @@ class Replicator:
     """Rank 0's background copier from the local tier to the durable root.
 
     ``submit(folder)`` queues a committed local checkpoint; a newer one replaces one that
-    has not started. The worker thread is not a daemon, so a process that exits without
+    has not started. The writer lease is held on the durable root and checked before
+    each durable commit and deletion, so an unreachable durable root never stops a
+    local save (after the first, which takes the lease). The worker thread is not a daemon, so a process that exits without
     ``close()`` still finishes the copy in progress. Errors are logged and warned at
     once (training goes on) and raised by ``wait()``/``close()``. ``after(step)`` runs
     after each copy (the durable tier's retention)."""
 
-    def __init__(self, local: Storage, durable: Storage, list_folders: Callable[[], list[str]],
-                 after: Callable[[Manifest], None]) -> None:
+    def __init__(self, local: Storage, durable: Storage, list_folders: Callable[[], list[str]], *,
+                 before_commit: Callable[[], None], after: Callable[[Manifest], None]) -> None:
         self.local = local
         self.durable = durable
         self.list_folders = list_folders
+        self.before_commit = before_commit
         self.after = after
         self._lock = threading.Condition()
         self._pending: str | None = None
@@ -142,7 +148,8 @@ class Replicator:
 
     def _copy(self, folder: str) -> None:
         # read afresh each time: the durable tier's retention may have deleted files since
-        m = replicate(self.local, self.durable, folder, committed_files(self.durable, self.list_folders()))
+        m = replicate(self.local, self.durable, folder, committed_files(self.durable, self.list_folders()),
+                      self.before_commit)
         log.info("replicated step %s to %s", m.step, self.durable.child(folder).url)
         self.after(m)
 

@@ -3,7 +3,9 @@
 For each profile (posix, nfs, windows, fuse-object, object-store) and scenario -- (a) a
 first save, (b) an overwrite of a committed checkpoint, (c) a CheckpointManager save
 that triggers keep_last retention, (d) the same with incremental saves, where the new
-checkpoint shares data with a retired one and retires another -- ``safeckpt.testing.crash_points`` crashes the save
+checkpoint shares data with a retired one and retires another, (e) a save on a local
+tier and its background copy to the durable root, with retention on both tiers --
+``safeckpt.testing.crash_points`` crashes the save
 at every storage operation k (exhaustive) and cuts the power with several outcomes (a
 plain kill, everything unsynced dropped, random keep/drop/tear). After recovery:
 
@@ -40,7 +42,7 @@ from safeckpt.manifest import is_shared
 from safeckpt.storage import Storage
 from safeckpt.testing import PROFILES, crash_points
 
-SCENARIOS = ("first-save", "overwrite", "manager-retention", "incremental-retention")
+SCENARIOS = ("first-save", "overwrite", "manager-retention", "incremental-retention", "tiered-replication")
 MAX_GARBAGE_FILES = 2  # one checkpoint's files (data + manifest) of the one interrupted save
 
 
@@ -261,6 +263,68 @@ def check_manager(point, root: Storage, scenario: str = "manager-retention") -> 
     return label, problems + _garbage_problems(left)
 
 
+def tiered(root: Storage) -> safeckpt.CheckpointManager:
+    return safeckpt.CheckpointManager(root.child("durable"), local=root.child("local"), keep_local=1, keep_last=2)
+
+
+def setup_tiered(root: Storage) -> None:
+    with tiered(root) as mgr:
+        mgr.save(1, STATES["s1"])
+        mgr.wait()  # copied before the next save (else only the newest waiting one is)
+        mgr.save(2, STATES["s2"])
+
+
+def run_tiered(root: Storage) -> None:
+    """A resumed job saves on the local tier; the copy to the durable root and the
+    retention on both tiers run in the background until ``close()``."""
+    with tiered(root) as mgr:
+        target = blank()
+        del target["frozen"]
+        mgr.restore(target)
+        mgr.save(3, STATES["s3"])
+
+
+def check_tiered(point, root: Storage) -> tuple[str, list[str]]:
+    problems = []
+    expect = {1: "s1", 2: "s2", 3: "s3", 4: "s4"}
+    local, durable = root.child("local"), root.child("durable")
+    got = {(tier, s): state_of(t.child(step_folder(s)), (expect[s],))
+           for tier, t in (("local", local), ("durable", durable)) for s in (1, 2, 3)}
+    problems += [f"{tier} step {s}: {g}" for (tier, s), g in got.items() if g.startswith("WRONG")]
+    if got[("durable", 2)] != "s2":
+        problems.append(f"durable step 2 (committed before the save) is {got[('durable', 2)]!r}")
+    if got[("durable", 1)] != "s1" and got[("durable", 3)] != "s3":
+        problems.append("durable step 1 was deleted by retention although step 3 never reached the durable root")
+    if got[("local", 2)] != "s2" and got[("local", 3)] != "s3":
+        problems.append("local step 2 was deleted although step 3 never committed locally")
+    if not point.crashed and got[("durable", 3)] != "s3":
+        problems.append(f"close() returned, yet the durable step 3 is {got[('durable', 3)]!r}")
+    left = garbage(local) + garbage(durable)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        newest = 3 if "s3" in (got[("local", 3)], got[("durable", 3)]) else 2
+        with tiered(root) as mgr:
+            target = blank()
+            del target["frozen"]
+            if mgr.restore(target) != newest:
+                problems.append(f"restore() did not pick the newest committed step {newest}")
+            elif not same(target, STATES[expect[newest]]):
+                problems.append(f"restoring step {newest} does not load exactly")
+            mgr.wait()
+            if state_of(durable.child(step_folder(newest)), (expect[newest],)) != expect[newest]:
+                problems.append(f"after restore() and wait(), the durable root lacks step {newest}")
+            mgr.save(4, STATES["s4"])
+        if state_of(durable.child(step_folder(4)), ("s4",)) != "s4":
+            problems.append("after recovery, save(4) did not reach the durable root exactly")
+        for s in safeckpt.CheckpointManager(durable).steps():
+            if not safeckpt.verify(durable.child(step_folder(s))).ok:
+                problems.append(f"after recovery, durable step {s} does not verify")
+    RESULTS_AFTER.append(len(garbage(local) + garbage(durable)))
+    label = f"local 3:{'new' if got[('local', 3)] == 's3' else 'none'},durable 3:" \
+            f"{'new' if got[('durable', 3)] == 's3' else 'none'}"
+    return label, problems + _garbage_problems(left)
+
+
 def _garbage_problems(left: list[str]) -> list[str]:
     RESULTS_GARBAGE.append(len(left))
     if len(left) > MAX_GARBAGE_FILES:
@@ -275,6 +339,7 @@ SCENARIO_FUNCS = {
     "incremental-retention": (functools.partial(setup_manager, scenario="incremental-retention"),
                               functools.partial(run_manager, scenario="incremental-retention"),
                               functools.partial(check_manager, scenario="incremental-retention")),
+    "tiered-replication": (setup_tiered, run_tiered, check_tiered),
 }
 
 

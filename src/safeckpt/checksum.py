@@ -47,15 +47,29 @@ def is_checksum(value: object) -> bool:
     return isinstance(value, str) and _CHECKSUM_RE.fullmatch(value) is not None
 
 
+class RunningChecksum:
+    """The ``xxh3_64`` checksum of bytes seen in pieces (a whole file, as sealed)."""
+
+    def __init__(self) -> None:
+        self._hash = xxhash.xxh3_64()
+
+    def update(self, data) -> None:
+        self._hash.update(data)
+
+    @property
+    def value(self) -> str:
+        return f"{ALGORITHM}:{self._hash.hexdigest()}"
+
+
 def file_checksum(storage, name: str, size: int, block_size: int = BLOCK_SIZE) -> str:
     """The checksum of a whole file (what a sealed file's manifest entry records), read
     block by block so a file of any size needs one block of memory."""
-    h = xxhash.xxh3_64()
+    running = RunningChecksum()
     buf = memoryview(bytearray(min(block_size, size) or 1))
     offset = 0
     while offset < size:
         n = min(len(buf), size - offset)
         storage.read_into(name, offset, buf[:n])
-        h.update(buf[:n])
+        running.update(buf[:n])
         offset += n
-    return f"{ALGORITHM}:{h.hexdigest()}"
+    return running.value

@@ -258,10 +258,10 @@ class SaveRun:
                 entry = tensors.setdefault(w.name, TensorEntry(info.dtype, list(info.global_shape)))
                 entry.chunks.append(Chunk(rep.file.name, w.start, w.end, w.checksums,
                                           list(info.offsets), list(info.shape)))
+        incremental = self.chunk_size is not None
         for intent in intents:
             for alias, first in intent.aliases.items():
-                tensors[alias] = tensors[first]
-        incremental = self.chunk_size is not None
+                tensors[alias] = dataclasses.replace(tensors[first], tied_to=first) if incremental else tensors[first]
         return Manifest(save_id=mine.save_id, seq=mine.seq, created=time.time(),
                         world_size=len(intents), files=files, tensors=tensors, tree=self.tree,
                         step=self.step, metadata=self.metadata, metrics=self.metrics, run_id=self.run_id,
@@ -339,9 +339,12 @@ class SaveRun:
         if self.old is None:
             return
         from .checkpoint import retire  # the deletion order lives with the checkpoint
+        from .garbage import shared_by_siblings
 
         try:
-            retire(self.storage, keep=manifest)
+            # an incremental checkpoint's files may be read by later ones: spare those
+            spare = shared_by_siblings(self.storage) if self.old.version >= 2 else set()
+            retire(self.storage, keep=manifest, spare=spare)
         except OSError as exc:  # committed; leftovers are garbage for gc, not an error
             warnings.warn(f"saved {self.storage.url}, but removing the replaced version failed: {exc}",
                           stacklevel=4)

@@ -22,8 +22,8 @@ import time
 import warnings
 from .checkpoint import read_committed
 from .commit import DATA_RE
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
-from .manifest import Manifest, is_shared, manifest_seq
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
+from .manifest import Manifest, decode_manifest, is_shared, manifest_seq
 from .storage import Storage
 
 STEP_RE = re.compile(r"step-([0-9]{9,})", re.ASCII)
@@ -49,11 +49,33 @@ def save_id_age(save_id: str, now: float) -> float:
         return float("inf")
 
 
+def shared_by_siblings(folder: Storage) -> set[str]:
+    """Files of ``folder`` that committed checkpoints in its sibling step folders read."""
+    try:
+        parent = folder.parent()
+    except StorageError:
+        return set()  # no sibling could ever have referenced it: saving one needs the parent
+    name = folder.url.rstrip("/").rsplit("/", 1)[-1]
+    manifests = []
+    for sibling, size in sorted(parent.listdir().items()):
+        if size is None and sibling != name and STEP_RE.fullmatch(sibling):
+            try:
+                manifests.append(read_committed(parent.child(sibling)))
+            except (CheckpointNotFoundError, CorruptCheckpointError):
+                continue
+    return shared_files(manifests).get(name, set())
+
+
 def garbage_in(folder: Storage, min_age_s: float | None = None, now: float | None = None,
-               shared: "set[str] | frozenset[str]" = frozenset()) -> tuple[list[str], list[str]]:
-    """(manifests, data files) in one checkpoint folder that nothing committed needs;
-    ``shared`` are its files that committed checkpoints in other folders read. The
-    ``RETIRED`` marker counts as a manifest, and goes once no shared data is left."""
+               shared: "set[str] | frozenset[str] | None" = None,
+               spare_damaged: bool = False) -> tuple[list[str], list[str]]:
+    """(manifests, data files) in one checkpoint folder that nothing committed needs.
+
+    ``shared`` are its files that committed checkpoints in other folders read (None:
+    look at the sibling folders). The ``RETIRED`` marker counts as a manifest, and goes
+    once no shared data is left. With ``spare_damaged``, a well-formed manifest whose
+    files are missing is kept with the files it names (a stale listing of a network
+    filesystem must never make a checkpoint look like garbage)."""
     now = time.time() if now is None else now
     listing = folder.listdir()
     try:
@@ -62,7 +84,14 @@ def garbage_in(folder: Storage, min_age_s: float | None = None, now: float | Non
         return [], []  # written by a newer safeckpt: nothing here is ours to judge
     except (CheckpointNotFoundError, CorruptCheckpointError):
         committed = None
-    needed = (set(committed.files) if committed else set()) | set(shared)
+    needed = set(committed.files) if committed else set()
+    damaged = _well_formed(folder, listing) if committed is None and spare_damaged else {}
+    for m in damaged.values():
+        needed |= set(m.files)
+    if shared is None:
+        candidates = [n for n in listing if DATA_RE.fullmatch(n) and n not in needed]
+        shared = shared_by_siblings(folder) if candidates else set()
+    needed |= set(shared)
     data, live = [], False
     for name in listing:
         m = DATA_RE.fullmatch(name)
@@ -73,7 +102,7 @@ def garbage_in(folder: Storage, min_age_s: float | None = None, now: float | Non
             continue
         data.append(name)
     manifests = [] if live else [n for n in listing if (s := manifest_seq(n)) is not None
-                                 and (committed is None or s != committed.seq)]
+                                 and (committed is None or s != committed.seq) and n not in damaged]
     if RETIRED in listing and committed is None and not live and not needed.intersection(listing):
         manifests.append(RETIRED)
     if committed is None and not manifests and not data:
@@ -86,10 +115,11 @@ def collect(root: Storage, *, min_age_s: float | None = None, dry_run: bool = Fa
     """Remove garbage under ``root`` (manifests first, then data, then empty folders);
     return what was (or, with ``dry_run``, would be) removed, as ``folder/name``.
 
-    With ``incomplete=False`` only folders that hold a committed checkpoint are cleaned
-    (what a manager does by itself after each save): a folder with no manifest at all
-    could also be a checkpoint copied in without its manifest, so only an explicit
-    collection removes it. Incomplete multipart uploads older than ``min_age_s``
+    With ``incomplete=False`` only folders that hold a manifest (or are retired) are
+    cleaned (what a manager does by itself after each save): a folder with no manifest
+    at all could also be a checkpoint copied in without its manifest, and a well-formed
+    manifest whose files seem missing may be a stale listing, so only an explicit
+    collection removes those. Incomplete multipart uploads older than ``min_age_s``
     (default an hour) are aborted on object stores."""
     removed: list[str] = []
     now = time.time()
@@ -109,7 +139,7 @@ def collect(root: Storage, *, min_age_s: float | None = None, dry_run: bool = Fa
         folder = root.child(name)
         if not incomplete and not any(manifest_seq(n) is not None or n == RETIRED for n in folder.listdir()):
             continue
-        manifests, data = garbage_in(folder, min_age_s, now, shared.get(name, set()))
+        manifests, data = garbage_in(folder, min_age_s, now, shared.get(name, set()), spare_damaged=not incomplete)
         removed += [f"{name}/{n}" for n in manifests + data]
         if not dry_run and (manifests or data):
             markers = [RETIRED] if RETIRED in manifests else []
@@ -122,3 +152,15 @@ def collect(root: Storage, *, min_age_s: float | None = None, dry_run: bool = Fa
         abort_uploads(older_than=3600.0 if min_age_s is None else min_age_s)
     return removed
 
+
+
+def _well_formed(folder: Storage, listing: dict[str, int | None]) -> dict[str, Manifest]:
+    """Manifests of a folder that decode (whatever the state of the files they name)."""
+    out = {}
+    for name in listing:
+        if manifest_seq(name) is not None:
+            try:
+                out[name] = decode_manifest(folder.read(name), f"{folder.url}/{name}")
+            except (CorruptCheckpointError, OSError):
+                continue
+    return out

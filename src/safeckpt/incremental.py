@@ -23,6 +23,7 @@ from .plan import Box
 from .tensors import byte_view, to_storable
 
 CHUNK_SIZE = 4 << 20  # fine enough that a few changed rows rewrite little; few enough to list
+MIN_CHUNK_SIZE = 64  # at least one element of every dtype, so a chunk is one checksum block
 HASH_THREADS = 2
 
 
@@ -48,7 +49,7 @@ def split_box(shape: tuple[int, ...], itemsize: int, limit: int) -> list[Box]:
     inner = [itemsize] * n  # bytes of one index step along each dimension
     for d in range(n - 2, -1, -1):
         inner[d] = inner[d + 1] * shape[d + 1]
-    axis = next(d for d in range(n) if inner[d] <= limit)
+    axis = next((d for d in range(n) if inner[d] <= limit), n - 1)  # else: one element each
     rows = max(1, limit // inner[axis])
     boxes: list[Box] = []
     for outer in _indices(shape[:axis]):

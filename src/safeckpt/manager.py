@@ -19,7 +19,7 @@ from typing import Any
 from . import garbage
 from .asyncsave import AsyncSaver, SaveFuture, background_group
 from .checkpoint import CheckpointInfo, load, read_committed, retire, save_request
-from .incremental import CHUNK_SIZE
+from .incremental import CHUNK_SIZE, MIN_CHUNK_SIZE
 from .tiered import Replicator, tier_candidates
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
 from .group import SingleGroup, TorchGroup, resolve
@@ -53,7 +53,9 @@ class CheckpointManager:
     With ``incremental=True`` each save writes only the chunks (``chunk_size`` bytes of
     a tensor at most) that the run's newest committed checkpoint does not already hold,
     and references the rest; every checkpoint still loads on its own, and data is
-    deleted only when no committed checkpoint references it.
+    deleted only when no committed checkpoint references it. Shared data is a single
+    copy: ``full_every=N`` makes every N-th save write everything, so damage to one
+    file cannot spread into all later checkpoints.
 
     With ``local=PATH`` saves commit on that (fast, node-local) disk and are copied to
     ``root`` in the background, data first and manifest last (see ``tiered``); the
@@ -66,9 +68,14 @@ class CheckpointManager:
                  process_group: Any = None, storage_options: dict | None = None,
                  allow_pickle: bool = False, handle_sigterm: bool = False,
                  incremental: bool = False, chunk_size: int = CHUNK_SIZE,
-                 local: "str | Storage | None" = None, keep_local: int = 2) -> None:
-        if type(chunk_size) is not int or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int (bytes), not {chunk_size!r}")
+                 full_every: int | None = None, local: "str | Storage | None" = None,
+                 keep_local: int = 2) -> None:
+        if type(chunk_size) is not int or chunk_size < MIN_CHUNK_SIZE:
+            raise ValueError(f"chunk_size must be an int of at least {MIN_CHUNK_SIZE} (bytes), not {chunk_size!r}")
+        if full_every is not None and (type(full_every) is not int or full_every < 1):
+            raise ValueError(f"full_every must be a positive int or None, not {full_every!r}")
+        self.full_every = full_every
+        self._saves = 0
         self.retention = Retention(keep_last, keep_best, best_metric, best_mode, keep_every)
         self.local_retention = Retention(keep_last=keep_local)
         self.chunk_size = chunk_size if incremental else None
@@ -85,6 +92,8 @@ class CheckpointManager:
         self.run_id = uuid.uuid4().hex[:16]
         self._group: SingleGroup | TorchGroup | None = None
         self._lease: WriterLease | None = None
+        self._lease_lock = threading.Lock()
+        self._leased = False  # every rank: the first save took the lease (rank 0 holds it)
         self._saver = AsyncSaver() if async_save else None
         self._warned_foreign = False
         self._closed = False
@@ -177,17 +186,20 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         if self._saver is not None:
             self._saver.wait()  # one save in flight; an unseen error surfaces here
-        if self._replicator is None or self._lease is None:
+        if self._replicator is None or not self._leased:  # the same decision on every rank
             self._on_rank0(self._check_lease)  # a second job fails here, before writing anything
+            self._leased = True
         folder = self.save_root.child(step_folder(step))
         group = background_group(self.process_group) if self._saver else self.group
         request = save_request(folder, metadata=metadata, metrics=metrics, step=step,
                                process_group=group, allow_pickle=self.allow_pickle,
                                before_commit=self._check_lease if self._replicator is None else None)
         request.run_id = self.run_id
+        self._saves += 1
         if self.chunk_size is not None:
-            request.chunk_size = self.chunk_size
-            request.base = lambda: self._base(step)
+            request.chunk_size = self.chunk_size  # chunks are hashed even by a full save, to share later
+            if not (self.full_every and self._saves % self.full_every == 0):
+                request.base = lambda: self._base(step)
         if self._saver is not None:
             future = self._saver.submit(state, request, on_done=self._after_save)
             future.add_done_callback(lambda f: Future.exception(f) and self._remove_if_empty(folder))
@@ -237,11 +249,13 @@ class CheckpointManager:
         return None
 
     def _check_lease(self) -> None:
-        if self._lease is None:
-            self._lease = WriterLease(self.storage, self.run_id)
-            self._lease.acquire()
-        else:
-            self._lease.check()
+        with self._lease_lock:  # the training thread and the replicator's both check it
+            if self._lease is None:
+                lease = WriterLease(self.storage, self.run_id)
+                lease.acquire()
+                self._lease = lease
+            else:
+                self._lease.check()
 
     def _retain(self, root: Storage, retention: Retention, just_saved: int | None,
                 protect: set[int] = frozenset(), fenced: bool = True) -> None:
@@ -359,15 +373,20 @@ class CheckpointManager:
         return None
 
     def _candidates(self, step: int | None) -> list[tuple[int, int, str, str | None]]:
-        """Rank 0: (step, tier, status, run id or why not) to try, in order."""
-        listings = [[(s, *self._described(s, root)) for s in self._step_folders(root) if step in (None, s)]
-                    for root in self.tiers]
-        return tier_candidates(listings)
-
-    def _described(self, step: int, root: Storage) -> tuple[str, str | None]:
-        """(status, run id of the checkpoint when ok, else why not): picklable for ranks."""
-        status, m = self._read(step, root)
-        return status, (m.run_id if isinstance(m, Manifest) else m)
+        """Rank 0: (step, tier, status, run id when ok or else why not) to try, in order."""
+        listings = []
+        for root in self.tiers:
+            rows = []
+            for s in self._step_folders(root):
+                if step in (None, s):
+                    status, m = self._read(s, root)
+                    found = m if isinstance(m, Manifest) else None
+                    rows.append((s, status, found.run_id if found else m, found))
+            listings.append(rows)
+        rows, notes = tier_candidates(listings, [t.url for t in self.tiers])
+        if notes:
+            warnings.warn("restore: " + "; ".join(notes), stacklevel=4)
+        return rows
 
     def _load(self, state: dict, root: Storage, step: int, strict: bool) -> None:
         load(state, root.child(step_folder(step)), strict=strict,

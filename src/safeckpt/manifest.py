@@ -91,6 +91,7 @@ class TensorEntry:
     dtype: str
     shape: list[int]
     chunks: list[Chunk] = field(default_factory=list)
+    tied_to: str | None = None  # format 2: the tensor this one is tied to (same storage)
 
 
 @dataclass
@@ -143,7 +144,8 @@ def encode_manifest(m: Manifest) -> bytes:
         "world_size": m.world_size, "step": m.step, "block_size": m.block_size, "run_id": m.run_id,
         "metadata": encode_values(m.metadata, "metadata"), "metrics": encode_values(m.metrics, "metrics"),
         "files": [{k: v for k, v in vars(f).items() if v is not None} for f in m.files.values()],
-        "tensors": {name: {"dtype": t.dtype, "shape": t.shape, "chunks": [vars(c) for c in t.chunks]}
+        "tensors": {name: {"dtype": t.dtype, "shape": t.shape, "chunks": [vars(c) for c in t.chunks],
+                           **({"tied_to": t.tied_to} if t.tied_to else {})}
                     for name, t in m.tensors.items()},
         "tree": m.tree,
     }
@@ -251,7 +253,10 @@ def _decode_body(body: dict, where: str) -> Manifest:
                 check_coverage(name, tuple(t["shape"]), [(tuple(c.offsets), tuple(c.shape)) for c in chunks])
             except PlanError as exc:
                 raise CorruptCheckpointError(f"{where}: {exc}") from exc
-        tensors[name] = TensorEntry(t["dtype"], t["shape"], chunks)
+        tied = t.get("tied_to")
+        _need(tied is None or (isinstance(tied, str) and tied in body["tensors"] and tied != name), where,
+              f"tensor {name!r}: tied to unknown tensor {tied!r}")
+        tensors[name] = TensorEntry(t["dtype"], t["shape"], chunks, tied)
     step, world, run_id = body.get("step"), body["world_size"], body.get("run_id")
     _need(run_id is None or isinstance(run_id, str), where, f"bad run_id {run_id!r}")
     _need(step is None or _is_int(step), where, f"bad step {step!r}")

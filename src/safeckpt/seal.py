@@ -26,7 +26,8 @@ from .checkpoint import CheckpointInfo, new_save_id, plain_values, retire
 from .checksum import BLOCK_SIZE, file_checksum
 from .commit import DATA_RE, read_existing
 from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from .manifest import FileEntry, Manifest, check_relpath, encode_manifest, encode_values, manifest_name, manifest_seq
+from .manifest import (FileEntry, Manifest, check_relpath, encode_manifest, encode_values, is_shared,
+                       manifest_name, manifest_seq)
 from .storage import Storage
 from .storage import open as open_storage
 from .storage.local import LocalStorage, fsync_folder
@@ -127,7 +128,9 @@ def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None
     files: dict[str, FileEntry] = {}
     if existing is not None:  # safeckpt's own data files keep their records (and tensors)
         for f in existing.files.values():
-            if f.header_size is not None:
+            if is_shared(f.name):  # an incremental checkpoint's data in a sibling folder
+                files[f.name] = f
+            elif f.header_size is not None:
                 if listing.get(f.name) != f.size:
                     raise CorruptCheckpointError(
                         f"cannot seal {storage.url}: its committed manifest names {f.name} with "
@@ -137,7 +140,7 @@ def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None
     for name in names:
         files[name] = FileEntry(name, listing[name], checksum=_checksum_of(storage, name, listing[name]))
     after = {n: s for n, s in _list_files(storage).items() if n in files}
-    changed = sorted(n for n in files if after.get(n) != files[n].size)
+    changed = sorted(n for n in files if not is_shared(n) and after.get(n) != files[n].size)
     if changed:
         raise CorruptCheckpointError(
             f"cannot seal {storage.url}: {changed} changed while being sealed; is another process "
@@ -151,7 +154,8 @@ def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None
         metadata={**(existing.metadata if existing is not None else {}), **meta},
         metrics=existing.metrics if existing is not None else {},
         block_size=existing.block_size if existing is not None else BLOCK_SIZE,
-        run_id=existing.run_id if existing is not None else None)
+        run_id=existing.run_id if existing is not None else None,
+        version=existing.version if existing is not None else 1)
     _write_manifest(storage, manifest)
     try:
         retire(storage, keep=manifest)

@@ -16,6 +16,7 @@ import threading
 import warnings
 from typing import Any, Callable, Iterator
 
+from .checksum import RunningChecksum, matches
 from .checkpoint import read_committed
 from .commit import DATA_RE
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError
@@ -26,15 +27,53 @@ log = logging.getLogger("safeckpt")
 COPY_BLOCK = 16 << 20
 
 
-def _parts(storage: Storage, name: str, size: int) -> Iterator[bytes]:
-    """A file's bytes in blocks, for streaming it into another storage."""
-    for offset in range(0, size, COPY_BLOCK):
-        yield storage.read(name, offset, min(COPY_BLOCK, size - offset))
+Check = tuple[int, int, str]  # bytes [start, end) of a file must have this checksum
 
 
-def copy_file(src: Storage, src_name: str, dst: Storage, dst_name: str, size: int) -> None:
-    """Copy one immutable file; durable at the destination on return."""
-    written = dst.write_file(dst_name, _parts(src, src_name, size) if size else [b""])
+def file_checks(m: Manifest) -> dict[str, list[Check]]:
+    """Every byte range of each data file that the manifest records a checksum for."""
+    out: dict[str, set[Check]] = {n: {(0, f.header_size, f.header_checksum)} for n, f in m.files.items()
+                                  if f.header_size is not None and f.header_checksum is not None}
+    for t in m.tensors.values():
+        for c in t.chunks:
+            ranges = out.setdefault(c.file, set())
+            for i, expected in enumerate(c.checksums):
+                lo = c.start + i * m.block_size
+                ranges.add((lo, min(lo + m.block_size, c.end), expected))
+    return {n: sorted(r) for n, r in out.items()}
+
+
+def _checked_parts(storage: Storage, name: str, size: int, checks: list[Check],
+                   whole: str | None) -> Iterator[bytes]:
+    """A file's bytes in blocks, each range in ``checks`` (and, for a sealed file, the
+    ``whole`` file) checked as it passes: a copy never commits bytes that rotted."""
+    running = RunningChecksum() if whole else None
+    offset = first = 0
+    while offset < size:
+        end, last = min(size, offset + COPY_BLOCK), first
+        while last < len(checks) and checks[last][0] < end:  # never cut a checked range
+            end = max(end, checks[last][1])
+            last += 1
+        data = storage.read(name, offset, end - offset)
+        for start, stop, expected in checks[first:last]:
+            if not matches(memoryview(data)[start - offset:stop - offset], expected):
+                raise CorruptCheckpointError(
+                    f"{storage.url}/{name}: bytes {start}-{stop} fail their checksum; the local copy is "
+                    "damaged and is not replicated (the durable root keeps its older checkpoints)")
+        if running is not None:
+            running.update(data)
+        first = last
+        yield data
+        offset = end
+    if running is not None and running.value != whole:
+        raise CorruptCheckpointError(f"{storage.url}/{name}: fails its checksum; not replicated")
+
+
+def copy_file(src: Storage, src_name: str, dst: Storage, dst_name: str, size: int,
+              checks: list[Check] = (), whole: str | None = None) -> None:
+    """Copy one immutable file, checking it on the way; durable at the destination on return."""
+    parts = _checked_parts(src, src_name, size, list(checks), whole) if size else [b""]
+    written = dst.write_file(dst_name, parts)
     if written != size:
         raise SaveAbortedError(f"copying {src.url}/{src_name} to {dst.url}/{dst_name} wrote {written} "
                                f"bytes, expected {size} (did the source change?)")
@@ -72,13 +111,14 @@ def replicate(local: Storage, durable: Storage, folder: str, trusted: set[str],
                 f"{dst.url} already holds a different checkpoint of step {m.step} (save {done.save_id}, "
                 f"local {m.save_id}): another job wrote this durable root; not replacing it")
         return m
+    checks = file_checks(m)
     for name, f in m.files.items():
         key = name[3:] if is_shared(name) else f"{folder}/{name}"
         if key in trusted:
             continue
         (s_store, s_name), (d_store, d_name) = src.locate(name), dst.locate(name)
         d_store.delete([d_name])  # a leftover of an interrupted copy: no committed manifest names it
-        copy_file(s_store, s_name, d_store, d_name, f.size)
+        copy_file(s_store, s_name, d_store, d_name, f.size, checks.get(name, ()), f.checksum)
     name = manifest_name(m.seq)
     stale = [n for n in there if manifest_seq(n) is not None
              or (DATA_RE.fullmatch(n) and n not in m.files and f"{folder}/{n}" not in trusted)]
@@ -142,6 +182,11 @@ class Replicator:
                 log.error("replicating %s to %s failed: %s", folder, self.durable.url, exc)
                 warnings.warn(f"replicating {folder} to {self.durable.url} failed (the local copy is "
                               f"intact; the next save retries): {exc}", stacklevel=1)
+            except BaseException as exc:  # the thread is told to die (a simulated crash): stop
+                with self._lock:
+                    self._error, self._pending, self._busy, self._thread = exc, None, None, None
+                    self._lock.notify_all()
+                return
             finally:
                 with self._lock:
                     self._busy = None
@@ -166,9 +211,24 @@ class Replicator:
         self.wait()
 
 
-def tier_candidates(listings: list[list[tuple[int, Any, Any]]]) -> list[tuple[int, int, Any, Any]]:
+def tier_candidates(listings: list[list[tuple[int, str, Any, Manifest | None]]], names: list[str]
+                    ) -> tuple[list[tuple[int, int, str, Any]], list[str]]:
     """Restore order across tiers: newest step first; for one step, the first tier (the
-    local disk) first. Each listing holds (step, status, detail) of one tier."""
-    rows = [(step, tier, status, detail) for tier, listing in enumerate(listings)
-            for step, status, detail in listing]
-    return sorted(rows, key=lambda r: (-r[0], r[1]))
+    local disk) first. Each listing holds (step, status, detail, committed manifest or
+    None) of one tier, named in ``names``. When the tiers hold *different* saves of one step (a node's copy
+    that never reached the durable root, which another node then wrote), only the later
+    save is a candidate; the notes say which copy was passed over."""
+    newest: dict[int, Manifest] = {}
+    for listing in listings:
+        for step, _, _, m in listing:
+            if m is not None and (step not in newest or m.created > newest[step].created):
+                newest[step] = m
+    rows, notes = [], []
+    for tier, listing in enumerate(listings):
+        for step, status, detail, m in listing:
+            if m is not None and m.save_id != newest[step].save_id:
+                notes.append(f"step {step} in {names[tier]} (save {m.save_id}) is passed over: the "
+                             f"later save {newest[step].save_id} of the same step is in another tier")
+                continue
+            rows.append((step, tier, status, detail))
+    return sorted(rows, key=lambda r: (-r[0], r[1])), notes

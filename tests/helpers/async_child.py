@@ -35,7 +35,6 @@ import faulthandler
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -199,13 +198,8 @@ save_child.MODES.update(async_loop=mode_async_loop, hold_lease=mode_hold_lease,
 class AsyncForkServer(ForkServer):
     """A ``ForkServer`` that also knows this file's modes."""
 
-    def __init__(self, src: str) -> None:  # noqa: D107 - same as ForkServer, other script
-        env = dict(os.environ)
-        env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-        self.proc = subprocess.Popen([sys.executable, str(HERE), "serve"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
-        ready = self._read()
-        assert ready.get("ready"), ready
+    def __init__(self, src: str) -> None:
+        super().__init__(src, script=str(HERE))
 
 
 # --------------------------------------------------------------------------- scripts

@@ -802,15 +802,17 @@ def _waitpids(pids: list[int], timeout: float) -> tuple[dict, bool]:
     return status, timed_out
 
 
-def serve() -> None:
-    """The fork server: import torch once, then fork the ranks of each launch."""
+def serve(heavy: bool = True) -> None:
+    """The fork server: import torch once, then fork the ranks of each launch. Without
+    ``heavy``, DTensor, FSDP and dynamo are not imported (a second faster to start)."""
     import numpy  # noqa: F401
     import torch
-    import torch.distributed  # noqa: F401
-    import torch.distributed.tensor  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
-    import torch.distributed.device_mesh  # noqa: F401
-    import torch._dynamo  # noqa: F401  (imported lazily by the first DTensor op: 2-5 s per rank)
+    import torch.distributed  # noqa: F401  (not safeckpt: ranks read SAFECKPT_TIMEOUT when they import it)
+    if heavy:
+        import torch.distributed.tensor  # noqa: F401
+        import torch.distributed.fsdp  # noqa: F401
+        import torch.distributed.device_mesh  # noqa: F401
+        import torch._dynamo  # noqa: F401  (imported lazily by the first DTensor op: 2-5 s per rank)
     torch.set_num_threads(1)  # forked children must not inherit a thread pool
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
@@ -889,11 +891,12 @@ class Launch:
 class ForkServer:
     """The test side of ``serve()``."""
 
-    def __init__(self, src: str) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    def __init__(self, src: str, script: Path = HERE, env: dict | None = None) -> None:
+        """``script`` (this file, or one that adds scenarios to ``SCENARIOS``) runs ``serve()``."""
+        env = {**os.environ, **(env or {})}
+        env["PYTHONPATH"] = os.pathsep.join([src, str(HERE.parent), env.get("PYTHONPATH", "")])
         env.setdefault("OMP_NUM_THREADS", "1")
-        self.proc = subprocess.Popen([sys.executable, str(HERE), "serve"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, str(script), "serve"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
         ready = self._read()
         assert ready.get("ready"), ready

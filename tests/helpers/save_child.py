@@ -284,10 +284,12 @@ def serve() -> None:
 class ForkServer:
     """The test side: start ``serve()`` in a subprocess and talk to it."""
 
-    def __init__(self, src: str) -> None:
+    def __init__(self, src: str, script: str = __file__) -> None:
+        """``script`` (this file, or one that adds modes to ``MODES``) runs ``serve()``."""
         env = dict(os.environ)
-        env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-        self.proc = subprocess.Popen([sys.executable, __file__, "serve"], stdin=subprocess.PIPE,
+        env["PYTHONPATH"] = os.pathsep.join([src, os.path.dirname(__file__), env.get("PYTHONPATH", "")])
+        env.setdefault("OMP_NUM_THREADS", "1")
+        self.proc = subprocess.Popen([sys.executable, str(script), "serve"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
         ready = self._read()
         assert ready.get("ready"), ready

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (Ctx, MiB, bench_parser, default_dir, disk_usage, flatten,  # noqa: E402
-                    fsync_tree, make_large_state, make_tools, setup_dcp, state_nbytes)
+                    fsync_tree, make_large_state, make_tools, remove, setup_dcp, state_nbytes)
 
 FROZEN_SHARE = 0.9
 
@@ -76,29 +76,32 @@ def run_incremental(total_mib: int, n: int, saves: int, workdir: Path) -> dict:
     peers = {t.name: _peer(t, ctx) for t in make_tools(None)
              if t.name in ("torch.save", "safetensors.save_file", "dcp.save") and not t.skip}
     modes: dict[str, Callable[[Path], Callable[[int, dict], Any]]] = {
-        "safeckpt full saves": lambda root: _manager(root),
-        "safeckpt incremental": lambda root: _manager(root, incremental=True),
+        "safeckpt full saves": lambda root: _manager(root, keep_last=2),
+        "safeckpt incremental": lambda root: _manager(root, keep_last=2, incremental=True),
     }
-    for name in list(modes) + list(peers):
-        root = workdir / f"inc-{name.replace(' ', '-')}"
-        root.mkdir(parents=True, exist_ok=True)
-        times, written = [], []
-        saver = modes[name](root) if name in modes else None
-        for step in range(saves):
-            train_step(state)
+    names = list(modes) + list(peers)
+    roots = {name: workdir / f"inc-{name.replace(' ', '-')}" for name in names}
+    savers = {name: modes[name](roots[name]) for name in modes}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    written: dict[str, list[int]] = {name: [] for name in names}
+    for step in range(saves):  # the tools take turns, so drift in the disk's speed hits all alike
+        train_step(state)
+        for name in names:
+            roots[name].mkdir(parents=True, exist_ok=True)
             t0 = time.perf_counter()
-            if saver is not None:
-                info = saver(step, state)
-                nbytes = info.bytes
-            else:
-                nbytes = peers[name](root / f"step-{step}")
-            times.append(time.perf_counter() - t0)
-            written.append(nbytes)
-        out["tools"][name] = {"first_bytes": written[0], "later_bytes": statistics.median(written[1:] or written),
-                              "total_bytes": sum(written), "disk_bytes": disk_usage(root),
-                              "median_s": statistics.median(times[1:] or times), "first_s": times[0]}
-        shutil.rmtree(root, ignore_errors=True)
-        print(f"  [incremental] {name}: {statistics.median(times):.3f} s/save", file=sys.stderr, flush=True)
+            nbytes = savers[name](step, state).bytes if name in savers else peers[name](roots[name] / f"step-{step}")
+            times[name].append(time.perf_counter() - t0)
+            written[name].append(nbytes)
+            if name in peers and step:
+                remove(roots[name] / f"step-{step - 1}")  # the peers keep one, safeckpt keep_last=2
+    for name in names:
+        out["tools"][name] = {"first_bytes": written[name][0],
+                              "later_bytes": statistics.median(written[name][1:] or written[name]),
+                              "total_bytes": sum(written[name]),
+                              "median_s": statistics.median(times[name][1:] or times[name]),
+                              "first_s": times[name][0]}
+        shutil.rmtree(roots[name], ignore_errors=True)
+        print(f"  [incremental] {name}: {out['tools'][name]['median_s']:.3f} s/save", file=sys.stderr, flush=True)
     out["nothing_shared"] = _hash_overhead(state, saves, workdir)
     return out
 

@@ -25,29 +25,25 @@ import posixpath
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import save_child
 from save_child import ForkServer, _Progress, make_state
 
-from safeckpt.storage import Storage
+from safeckpt.storage import Storage, StorageWrapper
 
 HERE = Path(__file__).resolve()
 
 Hook = Callable[[str, Iterable], Iterable]
 
 
-class HookedStorage(Storage):
+class HookedStorage(StorageWrapper):
     """``inner`` with every ``write_file`` passed through ``on_write(rel, parts)``."""
 
     def __init__(self, inner: Storage, on_write: Hook, rel: str = ".") -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.on_write = on_write
         self.rel = rel
-        self.url = inner.url
-        self.atomic_write = inner.atomic_write
-        self.exclusive_create = inner.exclusive_create
-        self.merge_reads_below = inner.merge_reads_below
 
     def _rel(self, name: str) -> str:
         return posixpath.normpath(posixpath.join(self.rel, name))
@@ -60,21 +56,6 @@ class HookedStorage(Storage):
 
     def write_file(self, name: str, parts: Iterable) -> int:
         return self.inner.write_file(name, self.on_write(self._rel(name), parts))
-
-    def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        self.inner.read_into(name, offset, out)
-
-    def listdir(self) -> dict[str, int | None]:
-        return self.inner.listdir()
-
-    def delete(self, names: Iterable[str]) -> None:
-        self.inner.delete(names)
-
-    def remove_folder(self) -> None:
-        self.inner.remove_folder()
-
-    def __getattr__(self, attr: str) -> Any:  # abort_stale_uploads and other extras
-        return getattr(self.inner, attr)
 
 
 def half_then(parts: Iterable, then: Callable[[], None]) -> Iterator[bytes]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import click
 
@@ -14,46 +14,21 @@ from .. import garbage
 from ..checkpoint import read_committed
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..reader import TensorReader
-from ..storage import Storage
+from ..storage import Storage, StorageWrapper
 from ._common import (console, human_bytes, locate, print_json, progress_console, say, storage_option_flag,
                       storage_options, table, text)
 
 
-class _Counting(Storage):
-    """A storage that reports every byte read (for the progress bar); everything else
-    is the wrapped storage's."""
+class _Counting(StorageWrapper):
+    """A storage that reports every byte read (for the progress bar)."""
 
     def __init__(self, inner: Storage, advance: Callable[[int], None]) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.advance = advance
-        self.url = inner.url
-        self.atomic_write = inner.atomic_write
-        self.exclusive_create = inner.exclusive_create
-
-    def child(self, name: str) -> Storage:
-        return _Counting(self.inner.child(name), self.advance)
-
-    def parent(self) -> Storage:
-        return _Counting(self.inner.parent(), self.advance)
-
-    def write_file(self, name: str, parts: Iterable) -> int:
-        return self.inner.write_file(name, parts)
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         self.inner.read_into(name, offset, out)
         self.advance(out.nbytes)
-
-    def listdir(self) -> dict[str, int | None]:
-        return self.inner.listdir()
-
-    def delete(self, names: Iterable[str]) -> None:
-        self.inner.delete(names)
-
-    def remove_folder(self) -> None:
-        self.inner.remove_folder()
-
-    def size(self, name: str) -> int:
-        return self.inner.size(name)
 
 
 @dataclass

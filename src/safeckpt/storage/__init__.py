@@ -6,10 +6,10 @@ import os
 from urllib.parse import unquote, urlparse
 
 from ..errors import StorageError
-from .base import Storage, storage_error
+from .base import Storage, StorageWrapper, storage_error
 from .local import LocalStorage
 
-__all__ = ["Storage", "LocalStorage", "open", "storage_error"]
+__all__ = ["Storage", "StorageWrapper", "LocalStorage", "open", "storage_error"]
 
 
 def open(url: "str | os.PathLike[str] | Storage", **storage_options) -> Storage:  # noqa: A001

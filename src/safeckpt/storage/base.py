@@ -7,6 +7,7 @@ here needs rename. Capability flags tell the protocol what the backend can do.
 
 from __future__ import annotations
 
+import copy
 import errno
 from abc import ABC, abstractmethod
 from typing import Iterable
@@ -88,6 +89,50 @@ class Storage(ABC):
         if size is None:
             raise FileNotFoundError(errno.ENOENT, "no such file", f"{self.url}/{name}")
         return size
+
+
+class StorageWrapper(Storage):
+    """A storage that forwards everything to ``inner``: a base for wrappers that change
+    one thing (count the bytes read, hook writes). ``wrap(inner)`` makes the wrapper of
+    a child or parent folder; the default copies this wrapper around the new inner."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.atomic_write = inner.atomic_write
+        self.exclusive_create = inner.exclusive_create
+        self.merge_reads_below = inner.merge_reads_below
+
+    def wrap(self, inner: Storage) -> "StorageWrapper":
+        clone = copy.copy(self)
+        StorageWrapper.__init__(clone, inner)
+        return clone
+
+    def child(self, name: str) -> Storage:
+        return self.wrap(self.inner.child(name))
+
+    def parent(self) -> Storage:
+        return self.wrap(self.inner.parent())
+
+    def write_file(self, name: str, parts: Iterable[Buffer]) -> int:
+        return self.inner.write_file(name, parts)
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        self.inner.read_into(name, offset, out)
+
+    def listdir(self) -> dict[str, int | None]:
+        return self.inner.listdir()
+
+    def delete(self, names: Iterable[str]) -> None:
+        self.inner.delete(names)
+
+    def remove_folder(self) -> None:
+        self.inner.remove_folder()
+
+    def __getattr__(self, attr: str):  # backend extras, such as abort_stale_uploads
+        if attr == "inner":
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
 
 
 _REASONS = {

@@ -134,11 +134,12 @@ class Replicator:
 
     ``submit(folder)`` queues a committed local checkpoint; a newer one replaces one that
     has not started. The writer lease is held on the durable root and checked before
-    each durable commit and deletion, so an unreachable durable root never stops a
-    local save (after the first, which takes the lease). The worker thread is not a daemon, so a process that exits without
-    ``close()`` still finishes the copy in progress. Errors are logged and warned at
-    once (training goes on) and raised by ``wait()``/``close()``. ``after(step)`` runs
-    after each copy (the durable tier's retention)."""
+    each durable commit and deletion (``before_commit``), so an unreachable durable
+    root never stops a local save (after the first, which takes the lease). The worker
+    thread is not a daemon, so a process that exits without ``close()`` still finishes
+    the copy in progress. Errors are logged and warned at once (training goes on) and
+    raised by ``wait()``/``close()``. ``after(manifest)`` runs after each copy (the
+    durable tier's retention)."""
 
     def __init__(self, local: Storage, durable: Storage, list_folders: Callable[[], list[str]], *,
                  before_commit: Callable[[], None], after: Callable[[Manifest], None]) -> None:

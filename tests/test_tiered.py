@@ -495,9 +495,11 @@ def test_replication_failure_does_not_stop_training(tiers, how, caplog):
     caplog.set_level(logging.ERROR, logger="safeckpt")
     with recorded() as seen:
         info = mgr.save(2, make_state(2))  # returns: the local commit is the save
-        assert info.step == 2 and committed(local) == [1, 2]
-        # warned at once, without anyone calling wait()
+        # warned at once, without anyone calling wait() (nothing here may enter a
+        # catch_warnings "ignore" block meanwhile: warnings state is process-wide, so it
+        # would swallow the replicator thread's warning too)
         wait_until(lambda: any("replicating" in m for m in messages(seen)), 20, "the replication warning")
+        assert info.step == 2 and committed(local) == [1, 2]
         with pytest.raises(safeckpt.StorageError) as exc:
             mgr.wait()
     [warning] = [w for w in seen if "replicating" in str(w.message)]

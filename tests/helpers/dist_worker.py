@@ -42,6 +42,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+from forkserver import ServerProcess
+
 HERE = Path(__file__).resolve()
 
 # --------------------------------------------------------------------------- shared data
@@ -888,29 +890,12 @@ class Launch:
         return [recs[r]["data"] for r in ranks]
 
 
-class ForkServer:
-    """The test side of ``serve()``."""
+class ForkServer(ServerProcess):
+    """The test side of ``serve()``: launch the ranks of a group through it."""
 
     def __init__(self, src: str, script: Path = HERE, env: dict | None = None) -> None:
         """``script`` (this file, or one that adds scenarios to ``SCENARIOS``) runs ``serve()``."""
-        env = {**os.environ, **(env or {})}
-        env["PYTHONPATH"] = os.pathsep.join([src, str(HERE.parent), env.get("PYTHONPATH", "")])
-        env.setdefault("OMP_NUM_THREADS", "1")
-        self.proc = subprocess.Popen([sys.executable, str(script), "serve"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
-        ready = self._read()
-        assert ready.get("ready"), ready
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the fork server died (exit {self.proc.poll()})")
-        return json.loads(line)
-
-    def request(self, **req: Any) -> dict:
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
+        super().__init__(src, script, env)
 
     def launch(self, world: int, scenarios: list[str], root: Path, out: Path, *, timeout: float,
                env: dict | None = None, opts: dict | None = None) -> Launch:
@@ -921,15 +906,6 @@ class ForkServer:
                             limit_s=timeout - 2)["pids"]
         reply = self.request(cmd="wait", pids=pids, timeout=timeout)
         return Launch(world, out, scenarios, reply["status"], reply["timed_out"], time.monotonic() - t0, pids)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def popen_launch(world: int, scenarios: list[str], root: Path, out: Path, *, timeout: float, src: str,

@@ -26,13 +26,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
+
+from forkserver import ServerProcess
 
 N_BIG = 1 << 20        # float32: 4 MiB
 N_RAND = 1 << 18       # int64: 2 MiB
@@ -281,29 +282,12 @@ def serve() -> None:
 # --------------------------------------------------------------------------- client
 
 
-class ForkServer:
-    """The test side: start ``serve()`` in a subprocess and talk to it."""
+class ForkServer(ServerProcess):
+    """The test side: start ``serve()`` in a subprocess and fork children through it."""
 
     def __init__(self, src: str, script: str = __file__) -> None:
         """``script`` (this file, or one that adds modes to ``MODES``) runs ``serve()``."""
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([src, os.path.dirname(__file__), env.get("PYTHONPATH", "")])
-        env.setdefault("OMP_NUM_THREADS", "1")
-        self.proc = subprocess.Popen([sys.executable, str(script), "serve"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
-        ready = self._read()
-        assert ready.get("ready"), ready
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"fork server died (exit {self.proc.poll()})")
-        return json.loads(line)
-
-    def request(self, **req) -> dict:
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
+        super().__init__(src, script)
 
     def fork(self, mode: str, **args) -> int:
         return self.request(cmd="fork", mode=mode, args=args)["pid"]
@@ -321,15 +305,6 @@ class ForkServer:
 
     def calibrate(self, folder: str) -> float:
         return self.request(cmd="calibrate", dir=folder)["seconds"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 if __name__ == "__main__":

@@ -203,6 +203,7 @@ class SaveRun:
         mine.chunks = answer.chunks
         shapes = {n: flat.pieces[n].info.shape for n in mine.write}
         mine.write = [chunk_key(digests[i], digests[i].shape == shapes[digests[i].name]) for i in answer.chunks]
+
     # -- phase 2 ---------------------------------------------------------------------
     def _write(self, flat: FlatState, mine: Assignment) -> Report:
         if not mine.write:
@@ -249,16 +250,11 @@ class SaveRun:
     def _build_manifest(self, intents: list[Intent], reports: list[Report], mine: Assignment) -> Manifest:
         tensors: dict[str, TensorEntry] = {}
         files = {rep.file.name: rep.file for rep in reports if rep.file is not None}
-        if self.chunk_size is not None:
-            self._add_chunks(intents, reports, files, tensors)
-        for intent, rep in zip(intents, reports):
-            infos = {p.name: p for p in intent.pieces}  # this rank's boxes
-            for w in rep.written if self.chunk_size is None else ():
-                info = infos[w.name]
-                entry = tensors.setdefault(w.name, TensorEntry(info.dtype, list(info.global_shape)))
-                entry.chunks.append(Chunk(rep.file.name, w.start, w.end, w.checksums,
-                                          list(info.offsets), list(info.shape)))
         incremental = self.chunk_size is not None
+        if incremental:
+            self._add_chunks(intents, reports, files, tensors)
+        else:
+            self._add_pieces(intents, reports, tensors)
         for intent in intents:
             for alias, first in intent.aliases.items():
                 tensors[alias] = dataclasses.replace(tensors[first], tied_to=first) if incremental else tensors[first]
@@ -266,6 +262,17 @@ class SaveRun:
                         world_size=len(intents), files=files, tensors=tensors, tree=self.tree,
                         step=self.step, metadata=self.metadata, metrics=self.metrics, run_id=self.run_id,
                         block_size=self.chunk_size if incremental else BLOCK_SIZE, version=2 if incremental else 1)
+
+    @staticmethod
+    def _add_pieces(intents: list[Intent], reports: list[Report], tensors: dict[str, TensorEntry]) -> None:
+        """Every piece a rank wrote is one chunk."""
+        for intent, rep in zip(intents, reports):
+            infos = {p.name: p for p in intent.pieces}  # this rank's boxes
+            for w in rep.written:
+                info = infos[w.name]
+                entry = tensors.setdefault(w.name, TensorEntry(info.dtype, list(info.global_shape)))
+                entry.chunks.append(Chunk(rep.file.name, w.start, w.end, w.checksums,
+                                          list(info.offsets), list(info.shape)))
 
     def _add_chunks(self, intents: list[Intent], reports: list[Report], files: dict[str, FileEntry],
                     tensors: dict[str, TensorEntry]) -> None:

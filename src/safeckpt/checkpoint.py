@@ -22,7 +22,8 @@ from . import errors as errors_module
 from .commit import DATA_RE, SaveRun, read_existing
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError, UnsupportedFormatError
 from .group import resolve
-from .manifest import Manifest, decode_manifest, encode_values, is_shared, manifest_name, manifest_seq
+from .manifest import (Manifest, decode_manifest, encode_values, is_shared, manifest_name, manifest_seq,
+                       shared_location)
 from .reader import TensorReader
 from .state import FlatState, LoadPlanner, flatten
 from .storage import Storage
@@ -82,7 +83,7 @@ def _check_files(storage: Storage, m: Manifest, listing: dict[str, int | None], 
     siblings: dict[str, dict[str, int | None]] = {}  # each sibling folder listed once
     for f in m.files.values():
         if is_shared(f.name):
-            _, folder, file = f.name.split("/", 2)
+            folder, file = shared_location(f.name)
             if folder not in siblings:
                 siblings[folder] = storage.parent().child(folder).listdir()
             size = siblings[folder].get(file)

@@ -23,7 +23,7 @@ import warnings
 from .checkpoint import read_committed
 from .commit import DATA_RE
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
-from .manifest import Manifest, decode_manifest, is_shared, manifest_seq
+from .manifest import Manifest, decode_manifest, is_shared, manifest_seq, shared_location
 from .storage import Storage
 
 STEP_RE = re.compile(r"step-([0-9]{9,})", re.ASCII)
@@ -36,7 +36,7 @@ def shared_files(manifests: "dict[str, Manifest] | list[Manifest]") -> dict[str,
     for m in (manifests.values() if isinstance(manifests, dict) else manifests):
         for name in m.files:
             if is_shared(name):
-                _, folder, file = name.split("/", 2)
+                folder, file = shared_location(name)
                 out.setdefault(folder, set()).add(file)
     return out
 

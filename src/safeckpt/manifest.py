@@ -59,6 +59,17 @@ def is_shared(name: str) -> bool:
     return name.startswith("../")
 
 
+def shared_location(name: str) -> tuple[str, str]:
+    """(sibling folder, file name) of a shared file ``../<folder>/<file>``."""
+    _, folder, file = name.split("/", 2)
+    return folder, file
+
+
+def root_path(folder: str, name: str) -> str:
+    """A file named by the manifest in ``folder``, as a path from the run root."""
+    return name[3:] if is_shared(name) else f"{folder}/{name}"
+
+
 @dataclass
 class FileEntry:
     """One immutable file of the checkpoint."""

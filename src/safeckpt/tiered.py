@@ -20,7 +20,7 @@ from .checksum import RunningChecksum, matches
 from .checkpoint import read_committed
 from .commit import DATA_RE
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError
-from .manifest import Manifest, is_shared, manifest_name, manifest_seq
+from .manifest import Manifest, manifest_name, manifest_seq, root_path
 from .storage import Storage
 
 log = logging.getLogger("safeckpt")
@@ -88,7 +88,7 @@ def committed_files(root: Storage, folders: list[str]) -> set[str]:
             m = read_committed(root.child(folder))
         except CheckpointError:
             continue
-        out |= {name[3:] if is_shared(name) else f"{folder}/{name}" for name in m.files}
+        out |= {root_path(folder, name) for name in m.files}
     return out
 
 
@@ -113,8 +113,7 @@ def replicate(local: Storage, durable: Storage, folder: str, trusted: set[str],
         return m
     checks = file_checks(m)
     for name, f in m.files.items():
-        key = name[3:] if is_shared(name) else f"{folder}/{name}"
-        if key in trusted:
+        if root_path(folder, name) in trusted:
             continue
         (s_store, s_name), (d_store, d_name) = src.locate(name), dst.locate(name)
         d_store.delete([d_name])  # a leftover of an interrupted copy: no committed manifest names it

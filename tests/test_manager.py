@@ -54,14 +54,19 @@ def test_keep_last_keeps_newest(tmp_path):
     assert _step_folders(tmp_path) == ["step-000000004", "step-000000005"]
 
 
-def test_saving_an_existing_step_refuses(tmp_path):
+def test_a_run_replaces_its_own_step_but_never_another_runs(tmp_path):
     mgr = safeckpt.CheckpointManager(tmp_path)
     mgr.save(1, _state(1))
-    with pytest.raises(safeckpt.CheckpointExistsError):
-        mgr.save(1, _state(2))
+    mgr.save(1, _state(2))  # the same run saves step 1 again: replaced atomically
     state = _state(0)
     mgr.restore(state)
-    assert state["step"] == 1
+    assert state["step"] == 2
+    assert len([n for n in os.listdir(mgr.path(1)) if n.startswith("manifest-")]) == 1
+    other = safeckpt.CheckpointManager(tmp_path)  # a new run that did not restore
+    with pytest.raises(safeckpt.CheckpointExistsError, match="committed checkpoint exists"):
+        other.save(1, _state(3))
+    mgr.restore(state)
+    assert state["step"] == 2
 
 
 def test_bad_arguments(tmp_path):

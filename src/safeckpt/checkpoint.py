@@ -75,8 +75,10 @@ def new_save_id() -> str:
 
 
 def manifest_seqs(listing: dict[str, int | None]) -> list[tuple[int, str]]:
-    """(sequence, name) of every manifest file in a listing, highest first."""
-    return sorted(((s, n) for n in listing if (s := manifest_seq(n)) is not None), reverse=True)
+    """(sequence, name) of every manifest file in a listing, highest first (a folder
+    with a manifest's name is not one)."""
+    return sorted(((s, n) for n, size in listing.items() if size is not None and (s := manifest_seq(n)) is not None),
+                  reverse=True)
 
 
 def _check_files(storage: Storage, m: Manifest, listing: dict[str, int | None], where: str) -> None:
@@ -175,7 +177,7 @@ class SaveRequest:
 
     storage: Storage
     group: Any
-    overwrite: bool = False
+    overwrite: "bool | Callable[[Manifest | None], bool]" = False  # see SaveRun
     step: int | None = None
     metadata: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
@@ -237,24 +239,33 @@ def save(state: dict, path: PathLike, *, overwrite: bool = False, metadata: dict
 
 
 def retire(storage: Storage, keep: Manifest | None, spare: "set[str] | frozenset[str]" = frozenset()) -> None:
-    """Delete every manifest other than ``keep`` (first, durably), then the data files
-    only they referenced. With ``keep=None`` the checkpoint is deleted entirely,
-    including data files of interrupted saves into the same folder. ``spare`` are files
-    other checkpoints share. Files of sibling checkpoints are never touched here:
-    whether another checkpoint still needs them is for ``garbage.collect`` to decide."""
+    """Delete the manifests older than ``keep`` (first, durably), then the data files
+    only they referenced. A manifest newer than ``keep`` is a concurrent writer's
+    commit: it is never deleted, nor any file it names, and while one cannot be read (it
+    may still be written) no data is deleted at all (garbage collection gets it later).
+    With ``keep=None`` the checkpoint is deleted entirely, including data files of
+    interrupted saves into the same folder. ``spare`` are files other checkpoints share.
+    Files of sibling checkpoints are never touched here: whether another checkpoint
+    still needs them is for ``garbage.collect`` to decide."""
     listing = storage.listdir()
-    others = [name for seq, name in manifest_seqs(listing) if keep is None or seq != keep.seq]
+    seqs = manifest_seqs(listing)
+    older = [name for seq, name in seqs if keep is None or seq < keep.seq]
     doomed: set[str] = {n for n in listing if DATA_RE.fullmatch(n)} if keep is None else set()
-    for name in others:
+    for name in older:
         try:
             doomed.update(decode_manifest(storage.read(name), name).files)
         except (CorruptCheckpointError, OSError):
             continue
-    if keep is not None:
-        doomed -= set(keep.files)
-    doomed = {n for n in doomed if not is_shared(n) and n not in spare}
-    storage.delete(others)
-    storage.delete(sorted(doomed))
+    needed: set[str] | None = set(keep.files) if keep is not None else set()
+    for name in (name for seq, name in seqs if keep is not None and seq > keep.seq):
+        try:
+            needed.update(decode_manifest(storage.read(name), name).files)
+        except (CorruptCheckpointError, OSError):
+            needed = None  # a newer commit in progress: what it names is unknown
+            break
+    storage.delete(older)
+    if needed is not None:
+        storage.delete(sorted(n for n in doomed - needed if not is_shared(n) and n not in spare))
 
 
 def _committed_for_group(storage: Storage, group: Any) -> Manifest:
@@ -332,9 +343,10 @@ def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = Tru
             raise StateMismatchError(
                 f"the state does not match the checkpoint at {storage.url} ({len(planner.problems)} "
                 f"problem(s)):\n  {listing}\nfix the state, or pass strict=False to load what matches")
+        planner.load_early()
     except CheckpointError as exc:
         error = exc
-    _agree(group, error, f"loading {storage.url}")
+    _agree_or_undo(group, error, f"loading {storage.url}", planner)
     if planner.problems:
         warnings.warn(f"loaded {storage.url} with strict=False; not loaded:\n  "
                       + "\n  ".join(planner.problems), stacklevel=3)
@@ -343,7 +355,16 @@ def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = Tru
         build()
     except CheckpointError as exc:
         error = exc
-    _agree(group, error, f"loading {storage.url}")
+    _agree_or_undo(group, error, f"loading {storage.url}", planner)
+
+
+def _agree_or_undo(group: Any, error: BaseException | None, what: str, planner: LoadPlanner) -> None:
+    """``_agree``; when any rank failed, the objects already loaded get their state back."""
+    try:
+        _agree(group, error, what)
+    except BaseException:
+        planner.undo()
+        raise
 
 
 @gc_paused

@@ -19,7 +19,7 @@ import re
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .checksum import BLOCK_SIZE, checksum
 from .datafile import WrittenPiece, plan_layout, stream
@@ -86,13 +86,14 @@ class SaveRun:
     """One save by one rank; ``run()`` returns the committed manifest's summary (its
     files and fields, without the tensor table and tree, which only rank 0 holds)."""
 
-    def __init__(self, group: SingleGroup | TorchGroup, storage: Storage, *, overwrite: bool,
+    def __init__(self, group: SingleGroup | TorchGroup, storage: Storage, *,
+                 overwrite: "bool | Callable[[Manifest | None], bool]",
                  step: int | None, metadata: dict, metrics: dict, new_save_id: Any,
                  existing: Any, before_commit: Any = None, run_id: str | None = None,
                  chunk_size: int | None = None, base: Any = None) -> None:
         self.group = group
         self.storage = storage
-        self.overwrite = overwrite
+        self.overwrite = overwrite  # or, given the committed manifest (None: only torn ones), whether to replace
         self.step = step
         self.metadata = metadata
         self.metrics = metrics
@@ -170,10 +171,16 @@ class SaveRun:
         per_rank = assign_writes([i.pieces for i in intents])
         _check_shards(intents)
         self.old, max_seq = self.existing(self.storage)
-        if self.old is not None and not self.overwrite:
+        if max_seq and not (self.overwrite(self.old) if callable(self.overwrite) else self.overwrite):
+            if self.old is not None:
+                raise CheckpointExistsError(
+                    f"a committed checkpoint exists at {self.storage.url} (step {self.old.step}); pass "
+                    "overwrite=True to replace it atomically, or save to another path")
+            # never replaced unasked: it may be the commit of a save that is running right now
             raise CheckpointExistsError(
-                f"a committed checkpoint exists at {self.storage.url} (step {self.old.step}); pass "
-                "overwrite=True to replace it atomically, or save to another path")
+                f"{self.storage.url} holds a manifest that is not valid: left by a save that crashed "
+                "while writing it, or being written right now by another save; pass overwrite=True "
+                "to replace it")
         if self.chunk_size is not None and self.base is not None:
             self.index = reuse_index(self.base(), self.chunk_size)
         save_id, seq = self.new_save_id(), max_seq + 1
@@ -218,7 +225,11 @@ class SaveRun:
                 known = [[self.own[i][0].digest] for i in mine.chunks]
             layout = plan_layout(items, {"format": "pt", "safeckpt_save_id": mine.save_id})
             written: list[WrittenPiece] = []
-            size = self.storage.write_file(name, stream(layout, written, known))
+            parts = stream(layout, written, known)
+            try:
+                size = self.storage.write_file(name, parts)
+            finally:  # a failed write leaves the stream suspended: stop its hashing thread now
+                parts.close()
             entry = FileEntry(name, size, rank=self.group.rank, header_size=len(layout.header),
                               header_checksum=checksum(layout.header))
             return Report(entry, written)
@@ -330,17 +341,8 @@ class SaveRun:
                 "filesystem or an object store")
 
     def _write_manifest(self, manifest: Manifest) -> None:
-        name = manifest_name(manifest.seq)
-        try:
-            self.storage.write_file(name, [encode_manifest(manifest)])
-            self.committed = True
-        except FileExistsError as exc:
-            raise CheckpointExistsError(
-                f"another save committed {name} in {self.storage.url} at the same time; two "
-                "writers are using one checkpoint path") from exc
-        except BaseException:  # it may be complete on disk even though its fsync failed
-            self._remove(name)
-            raise
+        write_manifest(self.storage, manifest, "save")
+        self.committed = True
 
     def _retire_old(self, manifest: Manifest) -> None:
         if self.old is None:
@@ -420,16 +422,37 @@ def merge_trees(trees: list[Any], key: str = "", has_local: bool = True) -> Any:
         "differ per rank must be wrapped in safeckpt.RankLocal (they are then saved per rank)")
 
 
+def write_manifest(storage: Storage, manifest: Manifest, what: str) -> None:
+    """Publish the commit record: whole or not at all, and never over another one (two
+    writers of one folder: exactly one commits each sequence number)."""
+    name = manifest_name(manifest.seq)
+    try:
+        storage.write_file(name, [encode_manifest(manifest)])
+    except FileExistsError as exc:
+        if name not in storage.listdir():  # listings show regular files only
+            raise CheckpointExistsError(
+                f"{storage.url}/{name} exists but is not a regular file (a FIFO, socket or link, which "
+                "safeckpt never writes): remove it and save again") from exc
+        raise CheckpointExistsError(
+            f"another writer committed {name} in {storage.url} while this {what} was running; two "
+            "writers are using one checkpoint path (its checkpoint stays as that writer left it)") from exc
+    except BaseException:  # it may be complete on disk even though its fsync failed
+        try:
+            storage.delete([name])
+        except OSError:
+            pass
+        raise
+
+
 def read_existing(storage: Storage) -> tuple[Manifest | None, int]:
     """The committed manifest of a folder (if any) and the highest manifest sequence seen."""
     from .checkpoint import read_committed
 
     listing = storage.listdir()
-    max_seq = max((s for n in listing if (s := manifest_seq(n)) is not None), default=0)
+    max_seq = max((s for n in listing if (s := manifest_seq(n)) is not None), default=0)  # folders too
     try:
         return read_committed(storage, listing), max_seq
     except UnsupportedFormatError:
         raise  # never write over a checkpoint this version cannot read
     except (CheckpointNotFoundError, CorruptCheckpointError):
         return None, max_seq
-

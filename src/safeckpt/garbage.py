@@ -17,16 +17,14 @@ collection running meanwhile sees one or the other.
 
 from __future__ import annotations
 
-import re
 import time
 import warnings
 from .checkpoint import read_committed
 from .commit import DATA_RE
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
-from .manifest import Manifest, decode_manifest, is_shared, manifest_seq, shared_location
+from .manifest import STEP_RE, Manifest, decode_manifest, is_shared, manifest_seq, shared_location
 from .storage import Storage
 
-STEP_RE = re.compile(r"step-([0-9]{9,})", re.ASCII)
 RETIRED = "safeckpt-retired"  # a retired checkpoint folder that still holds shared data
 
 

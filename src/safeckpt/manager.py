@@ -24,13 +24,12 @@ from .tiered import Replicator, tier_candidates
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
 from .group import SingleGroup, TorchGroup, resolve
 from .lease import WriterLease
-from .manifest import Manifest
+from .manifest import STEP_RE, Manifest
 from .retention import Retention
 from .storage import Storage
 from .storage import open as open_storage
 
 log = logging.getLogger("safeckpt")
-STEP_RE = garbage.STEP_RE
 
 
 def step_folder(step: int) -> str:
@@ -96,6 +95,7 @@ class CheckpointManager:
         self._leased = False  # every rank: the first save took the lease (rank 0 holds it)
         self._saver = AsyncSaver() if async_save else None
         self._warned_foreign = False
+        self._damaged: set[int] = set()  # steps restore() skipped: a save may replace them
         self._closed = False
         self._preempted = threading.Event()
         self._old_handler: Any = None
@@ -195,6 +195,7 @@ class CheckpointManager:
                                process_group=group, allow_pickle=self.allow_pickle,
                                before_commit=self._check_lease if self._replicator is None else None)
         request.run_id = self.run_id
+        request.overwrite = self._may_replace(step)
         self._saves += 1
         if self.chunk_size is not None:
             request.chunk_size = self.chunk_size  # chunks are hashed even by a full save, to share later
@@ -211,6 +212,13 @@ class CheckpointManager:
             raise
         self._after_save(info)
         return info
+
+    def _may_replace(self, step: int) -> Any:
+        """Which checkpoint of ``step`` a save may replace (atomically): one of this run
+        (a loop resumed at the step it restored saves it again), a torn one (this manager
+        holds the root's lease, so no other save is writing it) or one ``restore`` found
+        damaged; never another run's committed checkpoint."""
+        return lambda old: old is None or old.run_id == self.run_id or step in self._damaged
 
     def _remove_if_empty(self, folder: Storage) -> None:
         """After a failed save: drop its step folder if the save left it empty."""
@@ -344,11 +352,13 @@ class CheckpointManager:
                 # a crash can leave only the newest save torn; older damage is corruption
                 failed = failed or (status == "damaged" and (not first_of_tier or step is not None))
                 skipped.append(f"step {candidate} in {root.url}: not committed ({detail})")
+                self._damaged.add(candidate)
                 continue
             try:
                 self._load(state, root, candidate, strict)
             except (CheckpointNotFoundError, CorruptCheckpointError, StorageError) as exc:
                 skipped.append(f"step {candidate} in {root.url}: {exc}")
+                self._damaged.add(candidate)
                 failed = True
                 continue
             if skipped:

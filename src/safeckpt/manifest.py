@@ -22,6 +22,7 @@ from .tensors import dtype_from_name, nbytes_of
 
 FORMAT_VERSION = 2  # 2: incremental manifests (files of sibling checkpoints, xxh3_128 chunks)
 MANIFEST_RE = re.compile(r"manifest-([0-9]{6,})\.json", re.ASCII)
+STEP_RE = re.compile(r"step-([0-9]{9,})", re.ASCII)  # a CheckpointManager's checkpoint folder
 _PREFIX = b'{"safeckpt":'
 _SUFFIX_START = b',"checksum":"' + ALGORITHM.encode() + b":"
 _SUFFIX_LEN = len(_SUFFIX_START) + 16 + len(b'"}\n')
@@ -41,12 +42,16 @@ def manifest_seq(name: str) -> int | None:
 
 def check_relpath(name: object, where: str, siblings: bool = False) -> str:
     """A file name from a manifest must stay inside the checkpoint folder; with
-    ``siblings`` it may also be ``../<folder>/<file>``, a file of a sibling checkpoint
-    in the same root, and nothing further away."""
+    ``siblings`` it may also be ``../step-NNNNNNNNN/<file>``, a file of a sibling
+    checkpoint in the same run root, and nothing further away."""
     if not isinstance(name, str) or not name or "\\" in name or name.startswith("/"):
         raise CorruptCheckpointError(f"{where}: file name {name!r} is not a relative path inside the checkpoint")
     parts = name.split("/")
     if siblings and parts[0] == ".." and len(parts) == 3:
+        if not STEP_RE.fullmatch(parts[1]):
+            raise CorruptCheckpointError(
+                f"{where}: file name {name!r} refers to a folder that is not a checkpoint of the run "
+                "(step-NNNNNNNNN)")
         parts = parts[1:]
     for part in parts:
         if part in ("", ".", "..") or not _SAFE_PART.fullmatch(part):

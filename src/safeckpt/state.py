@@ -10,6 +10,7 @@ returns the reads to do and a ``build`` step that puts the results in place.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -155,6 +156,8 @@ class LoadPlanner:
         self.world_size = world_size
         self.reads: list[Read] = []
         self.problems: list[str] = []
+        self.early: list[tuple[Any, Thunk, str]] = []  # objects loaded before any tensor is read
+        self._loaded: list[tuple[Any, Any]] = []  # (object, its state before) for undo()
 
     def plan(self, target: Any, node: Any, key: str = "", mode: str = "state") -> Thunk:
         tag = codec.tag_of(node)
@@ -279,21 +282,49 @@ class LoadPlanner:
                 self.problems.append(problem)
                 return lambda: target
             self._shape_like_params(target, current, node, key)
+        reads = len(self.reads)
         inner = self.plan(current, node, key, "state" if is_module else "object")
+        if not is_module and not isinstance(target, torch.optim.Optimizer) and len(self.reads) == reads:
+            self.early.append((target, inner, key))  # nothing to read: its own check runs first
+            return lambda: target
 
         def build() -> Any:
-            value = inner()
-            try:
-                if is_module:
-                    target.load_state_dict(value, strict=self.strict)
-                else:
-                    target.load_state_dict(value)
-            except Exception as exc:  # the object's own validation: report it as a mismatch
-                raise StateMismatchError(
-                    f"{key or '<root>'}: {type(target).__name__}.load_state_dict rejected the "
-                    f"checkpoint's state: {exc}") from exc
+            self._load_object(target, inner(), key, is_module)
             return target
         return build
+
+    def _load_object(self, target: Any, value: Any, key: str, is_module: bool = False) -> None:
+        try:
+            if is_module:
+                target.load_state_dict(value, strict=self.strict)
+            else:
+                target.load_state_dict(value)
+        except Exception as exc:  # the object's own validation: report it as a mismatch
+            raise StateMismatchError(
+                f"{key or '<root>'}: {type(target).__name__}.load_state_dict rejected the "
+                f"checkpoint's state: {exc}") from exc
+
+    def load_early(self) -> None:
+        """Load the objects whose saved state holds no tensor (schedulers, grad scalers,
+        counters) before anything is read: the checks in their own ``load_state_dict``
+        then run while the state is untouched, and what they refuse is undone."""
+        try:
+            for target, inner, key in self.early:
+                before = copy.deepcopy(target.state_dict())
+                self._load_object(target, inner(), key)
+                self._loaded.append((target, before))
+        except BaseException:
+            self.undo()
+            raise
+
+    def undo(self) -> None:
+        """Put back the state of the objects ``load_early`` loaded (a later failure)."""
+        while self._loaded:
+            target, before = self._loaded.pop()
+            try:
+                target.load_state_dict(before)
+            except Exception:  # noqa: BLE001 - it took this state before; best effort
+                pass
 
 
     def _shape_like_params(self, optimizer: Any, current: dict, node: Any, key: str) -> None:

@@ -15,7 +15,7 @@ import click
 
 from .. import codec
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsafeObjectError
-from ..garbage import STEP_RE
+from ..manifest import STEP_RE
 from ..manifest import manifest_seq
 from ..storage import Storage
 from ..storage import open as open_storage

@@ -17,12 +17,12 @@ def open(url: "str | os.PathLike[str] | Storage", **storage_options) -> Storage:
 
     ``storage_options`` go to the backend: for fsspec URLs to the filesystem (s3fs:
     ``endpoint_url``, ``key``, ``secret``, ``client_kwargs``, ...). Local paths take
-    only ``fs`` (see ``LocalStorage``) and ignore the rest, so code that passes its
+    only ``fs`` and ``follow_symlinks`` (see ``LocalStorage``) and ignore the rest, so code that passes its
     object-store options everywhere also works with a local path."""
     if isinstance(url, Storage):
         return url
     text = os.fspath(url)
-    local = {k: v for k, v in storage_options.items() if k == "fs"}
+    local = {k: v for k, v in storage_options.items() if k in ("fs", "follow_symlinks")}
     if text.startswith("file://"):
         return LocalStorage(unquote(urlparse(text).path), **local)
     if "://" in text:

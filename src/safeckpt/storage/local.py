@@ -5,6 +5,12 @@ Durability: every file is fsynced before ``write_file`` returns, and so is its f
 skipped). Files are created with ``O_EXCL`` directly under their final name and the
 process umask applies; nothing is staged elsewhere and nothing is renamed.
 
+What is read: only regular files, never through a symbolic link, below the folder that
+was opened (``anchor``): a listing shows regular files and folders and nothing else
+(FIFOs, sockets, devices and symlinks are left out), and a read refuses anything else
+without blocking. ``follow_symlinks=True`` (a storage option) lifts the symlink rule,
+for folders that are made of links, such as a Hugging Face cache.
+
 Every OS call goes through a small file-system object (``fs``), by default
 ``OS_FILESYSTEM``, which calls the ``os`` module at call time (so tests that
 monkeypatch ``os.fsync`` and friends still reach this code). ``safeckpt.testing``
@@ -15,8 +21,10 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from typing import IO, Any, Iterable
 
+from ..errors import CorruptCheckpointError
 from .base import Buffer, Storage, storage_error
 
 _NO_DIR_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES, errno.EPERM, errno.EISDIR}
@@ -63,9 +71,25 @@ class OSFileSystem:
         """A context manager iterating entries with ``name``, ``is_dir()``, ``stat()``."""
         return os.scandir(path)
 
-    def open_reader(self, path: str) -> IO[bytes]:
-        """An unbuffered binary file with ``seek`` and ``readinto``."""
-        return open(path, "rb", buffering=0)
+    def lstat(self, path: str) -> os.stat_result:
+        return os.lstat(path)
+
+    def open_reader(self, path: str, follow_symlinks: bool = False) -> IO[bytes]:
+        """An unbuffered binary reader (``seek``, ``readinto``) of a regular file. Never
+        blocks on a FIFO; a symlink is refused (``ELOOP``) unless ``follow_symlinks``."""
+        flags = os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0)
+        if not follow_symlinks:
+            flags |= getattr(os, "O_NOFOLLOW", 0)
+            if not hasattr(os, "O_NOFOLLOW") and os.path.islink(path):
+                raise OSError(errno.ELOOP, "is a symbolic link", path)
+        fd = os.open(path, flags)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", path)
+            return os.fdopen(fd, "rb", buffering=0)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def replace(self, src: str, dst: str) -> None:
         os.replace(src, dst)
@@ -104,23 +128,53 @@ def _write_all(fs: OSFileSystem, fd: int, data: Buffer) -> None:
 class LocalStorage(Storage):
     """A folder on a local or network filesystem.
 
-    ``fs`` replaces the OS calls (default: the real ``os``); see ``OSFileSystem``."""
+    ``fs`` replaces the OS calls (default: the real ``os``); see ``OSFileSystem``.
+    ``anchor`` is the folder this one was reached from (``child``): no folder between
+    them may be a symlink either."""
 
     atomic_write = False  # a reader may see a file before it is complete
 
-    def __init__(self, path: str | os.PathLike, fs: OSFileSystem | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, fs: OSFileSystem | None = None, *,
+                 follow_symlinks: bool = False, anchor: str | None = None) -> None:
         self.fs = fs if fs is not None else OS_FILESYSTEM
         self.path = os.path.abspath(os.fspath(path))
         self.url = self.path
+        self.follow_symlinks = follow_symlinks
+        self.anchor = self.path if anchor is None else anchor
+        self._inside: bool | None = None  # the folders from the anchor down are real folders
 
     def _full(self, name: str) -> str:
         return os.path.join(self.path, *name.split("/"))
 
     def child(self, name: str) -> "LocalStorage":
-        return LocalStorage(self._full(name), fs=self.fs)
+        return LocalStorage(self._full(name), fs=self.fs, follow_symlinks=self.follow_symlinks, anchor=self.anchor)
 
     def parent(self) -> "LocalStorage":
-        return LocalStorage(os.path.dirname(self.path), fs=self.fs)
+        return LocalStorage(os.path.dirname(self.path), fs=self.fs, follow_symlinks=self.follow_symlinks)
+
+    def _real_folders(self, path: str) -> bool:
+        """Every folder from the anchor down to ``path`` (exclusive) is a folder, not a link."""
+        if self.follow_symlinks:
+            return True
+        rel = os.path.relpath(os.path.dirname(path), self.anchor)
+        if rel == ".":
+            return True
+        current = self.anchor
+        for part in rel.split(os.sep):
+            current = os.path.join(current, part)
+            try:
+                if not stat.S_ISDIR(self.fs.lstat(current).st_mode):
+                    return False
+            except FileNotFoundError:
+                return True  # nothing below a missing folder can be read either
+            except OSError:
+                return False
+        return True
+
+    def _is_inside(self) -> bool:
+        if self._inside is None:
+            self._inside = self._real_folders(os.path.join(self.path, "x"))
+        return self._inside
 
     def _ensure_folder(self, folder: str) -> None:
         if self.fs.isdir(folder):
@@ -162,7 +216,9 @@ class LocalStorage(Storage):
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         path = self._full(name)
         try:
-            with self.fs.open_reader(path) as f:
+            if not (self._is_inside() and ("/" not in name or self._real_folders(path))):
+                raise OSError(errno.ELOOP, "reached through a symbolic link", path)
+            with self.fs.open_reader(path, self.follow_symlinks) as f:
                 f.seek(offset)
                 view = out.cast("B") if out.format != "B" else out
                 while view:
@@ -173,12 +229,26 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             raise
         except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EINVAL, errno.ENXIO):
+                raise CorruptCheckpointError(
+                    f"{path} is a symbolic link or not a regular file: safeckpt reads only regular "
+                    "files inside the checkpoint folder (pass storage_options={'follow_symlinks': "
+                    "True} for a folder made of links)") from exc
             raise storage_error(exc, "read", path) from exc
 
     def listdir(self) -> dict[str, int | None]:
+        follow = self.follow_symlinks
+        out: dict[str, int | None] = {}
+        if not self._is_inside():
+            return out  # reached through a symlink: nothing here is part of a checkpoint
         try:
             with self.fs.scandir(self.path) as it:
-                return {e.name: None if e.is_dir() else e.stat().st_size for e in it}
+                for e in it:
+                    if e.is_dir(follow_symlinks=follow):
+                        out[e.name] = None
+                    elif e.is_file(follow_symlinks=follow):  # FIFOs, sockets, devices: left out
+                        out[e.name] = e.stat(follow_symlinks=follow).st_size
+            return out
         except (FileNotFoundError, NotADirectoryError):
             return {}
         except OSError as exc:

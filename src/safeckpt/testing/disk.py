@@ -103,13 +103,13 @@ class _Entry:
         self._is_dir = isinstance(node, _Dir)
         self._stat = _Stat(0 if self._is_dir else len(node.data), self._is_dir)
 
-    def is_dir(self) -> bool:
+    def is_dir(self, *, follow_symlinks: bool = True) -> bool:  # a simulated disk has no links
         return self._is_dir
 
-    def is_file(self) -> bool:
+    def is_file(self, *, follow_symlinks: bool = True) -> bool:
         return not self.is_dir()
 
-    def stat(self) -> _Stat:
+    def stat(self, *, follow_symlinks: bool = True) -> _Stat:
         return self._stat
 
 
@@ -487,6 +487,8 @@ class SimulatedDisk(CountedBackend):
         node = self._lookup(path)
         return _Stat(len(node.data) if isinstance(node, _File) else 0, isinstance(node, _Dir))
 
+    lstat = stat  # no symlinks on a simulated disk
+
     def scandir(self, path: str) -> _Scan:
         self._op("listdir", path)
         node = self._lookup(path)
@@ -499,7 +501,7 @@ class SimulatedDisk(CountedBackend):
         with self.scandir(path) as it:
             return [e.name for e in it]
 
-    def open_reader(self, path: str) -> _Reader:
+    def open_reader(self, path: str, follow_symlinks: bool = False) -> _Reader:
         self._op("open", path)
         node = self._lookup(path)
         if isinstance(node, _Dir):

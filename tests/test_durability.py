@@ -12,6 +12,7 @@ import json
 import os
 import stat
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -346,3 +347,46 @@ def test_permission_denied(fork_server, tmp_path):
         for p in sorted(base.rglob("*"), reverse=True):
             p.chmod(0o755)
         subprocess.run(["rm", "-rf", str(base)])
+
+
+def test_failed_and_good_saves_alternating_on_a_full_disk_never_hang(tmp_path):
+    """A disk that fills partway into an 8 MiB data file, a failing save and a good one
+    in turn, round after round: every failed save stops its hashing thread before it
+    returns (a suspended stream left for the garbage collector once closed its pool
+    inside another thread's start and deadlocked), and the loop ends well within a
+    deadline, with the collector made to run as often as it can."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m,mode=0755", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    script = f"""
+import gc, threading, torch, safeckpt
+mgr = safeckpt.CheckpointManager({str(mnt / "run")!r}, keep_last=1)
+big, good = {{"w": torch.ones(2 << 20)}}, {{"w": torch.ones(3 << 17)}}  # 8 MiB, 1.5 MiB
+for i in range(60):
+    try:
+        mgr.save(2 * i, big)
+        raise SystemExit("8 MiB fit on a 5 MiB disk")
+    except safeckpt.StorageError:
+        pass
+    left = [t.name for t in threading.enumerate() if t.name.startswith("safeckpt-")]
+    assert not left, f"round {{i}}: threads of the failed save still running: {{left}}"
+    gc.set_threshold(1)  # collections at every allocation, thread starts included
+    for _ in range(3):
+        t = threading.Thread(target=len, args=((),))
+        t.start()
+        t.join()
+    gc.set_threshold(700)
+    mgr.save(2 * i + 1, good)
+assert mgr.steps() == [119]
+print("OK")
+"""
+    try:
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the alternating full-disk loop hung")
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]

@@ -193,3 +193,39 @@ def test_sigkill_between_manifest_create_and_write_of_the_first_save(fork_server
     state = make_template()
     assert mgr.restore(state) == 0
     assert state_mismatch(state, 0) is None
+
+
+@pytest.mark.parametrize("resume", ["next", "same"])
+def test_the_readme_training_loop_survives_kills(fork_server, tmp_path, resume):
+    """The README's loop, SIGKILLed at random moments and restarted each time, ends with
+    the weights of an uninterrupted run (``next``); written as ``restore(state) or 0``
+    (``same``), each restart saves the restored step again, which replaces it."""
+    import torch
+
+    rng = random.Random(SEED)
+    total, every = 4000, 20
+    reference = tmp_path / "reference.pt"
+    assert fork_server.wait(fork_server.fork("readme_loop", root=str(tmp_path / "ref"), result=str(reference),
+                                             total=total, every=every, resume=resume))["code"] == 0
+    result = tmp_path / "result.pt"
+    kills = 0
+    for attempt in range(12):
+        pid = fork_server.fork("readme_loop", root=str(tmp_path / "run"), result=str(result), total=total,
+                               every=every, resume=resume)
+        if attempt < 6:
+            time.sleep(rng.uniform(0.05, 0.6))
+            status = fork_server.kill(pid)
+            kills += status["signal"] == signal.SIGKILL
+            if status["signal"] != signal.SIGKILL:
+                assert status["code"] == 0, status
+                break
+        else:
+            status = fork_server.wait(pid)
+            assert status["code"] == 0, f"a restart of the loop failed: {status}"
+            break
+    assert kills >= 3, "the loop finished before it could be killed: make it longer"
+    assert result.exists()
+    got, want = torch.load(result), torch.load(reference)
+    if resume == "next":
+        assert all(torch.equal(got[k], want[k]) for k in want), "the resumed run differs from an uninterrupted one"
+    assert safeckpt.CheckpointManager(tmp_path / "run").latest_step() == (total - 1) // every * every

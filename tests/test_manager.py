@@ -99,3 +99,24 @@ def test_paths_may_be_str_pathlike_or_file_urls(tmp_path):
     mgr = safeckpt.CheckpointManager("file://" + str(tmp_path / "run"))
     mgr.save(1, _state(1))
     assert (tmp_path / "run" / "step-000000001").is_dir() and mgr.steps() == [1]
+
+
+def test_a_run_replaces_a_step_restore_found_damaged(tmp_path):
+    """restore() falls back past a corrupt step 200 to 100; the resumed run then saves
+    step 200 again, replacing the damaged one, and the next restore takes it."""
+    mgr = safeckpt.CheckpointManager(tmp_path)
+    mgr.save(100, _state(100))
+    mgr.save(200, _state(200))
+    (data,) = [p for p in os.listdir(mgr.path(200)) if p.startswith("data-")]
+    with open(os.path.join(mgr.path(200), data), "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    resumed = safeckpt.CheckpointManager(tmp_path)
+    state = _state(0)
+    with pytest.warns(UserWarning, match="step 200"):
+        assert resumed.restore(state) == 100
+    resumed.save(200, _state(201))
+    state = _state(0)
+    assert safeckpt.CheckpointManager(tmp_path).restore(state) == 200 and state["step"] == 201

@@ -347,3 +347,43 @@ def test_optimizer_mismatch_with_strict_false_loads_the_model_and_warns(ckpt):
     for k, v in saved_model.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
     assert_unchanged(opt, before)
+
+
+def _model_and_sched(lr_step: int):
+    torch.manual_seed(lr_step)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    for _ in range(lr_step):
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def test_an_object_rejecting_its_state_leaves_the_whole_state_untouched(tmp_path):
+    """Saved with a disabled GradScaler, loaded into an enabled one: the scaler refuses
+    its state, and neither the model's weights nor the scheduler loaded before it have
+    changed (the README's promise: a StateMismatchError leaves the state untouched)."""
+    model, opt, sched = _model_and_sched(3)
+    safeckpt.save({"model": model, "sched": sched, "scaler": torch.amp.GradScaler("cpu", enabled=False)},
+                  tmp_path / "ck")
+    model2, opt2, sched2 = _model_and_sched(0)
+    weights, epoch = model2.weight.detach().clone(), sched2.last_epoch
+    with pytest.raises(safeckpt.StateMismatchError, match="scaler.*GradScaler.load_state_dict rejected"):
+        safeckpt.load({"model": model2, "sched": sched2, "scaler": torch.amp.GradScaler("cpu", enabled=True)},
+                      tmp_path / "ck")
+    assert torch.equal(model2.weight, weights), "the weights were overwritten before the scaler refused"
+    assert sched2.last_epoch == epoch, "the scheduler kept a state from a load that failed"
+
+
+def test_objects_loaded_early_are_put_back_when_the_tensors_turn_out_corrupt(tmp_path):
+    model, opt, sched = _model_and_sched(3)
+    safeckpt.save({"model": model, "sched": sched}, tmp_path / "ck")
+    (data,) = (tmp_path / "ck").glob("data-*")
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    model2, opt2, sched2 = _model_and_sched(0)
+    with pytest.raises(safeckpt.CorruptCheckpointError):
+        safeckpt.load({"model": model2, "sched": sched2}, tmp_path / "ck")
+    assert sched2.last_epoch == 0 and sched2.get_last_lr() == [0.1]

@@ -135,6 +135,30 @@ def mode_overwrite_loop(path: str, progress: str, start: int, limit_s: float = 6
         value += 1
 
 
+def mode_readme_loop(root: str, result: str, total: int, every: int, resume: str = "next") -> None:
+    """The README's training loop: restore, train, save every ``every`` steps; the
+    model's final weights go to ``result``. ``resume="next"`` continues after the
+    restored step (as the README writes it); ``"same"`` starts at the restored step
+    again (``restore(state) or 0``), which saves that step a second time."""
+    import safeckpt
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = {"model": model, "optim": optim}
+    with safeckpt.CheckpointManager(root, keep_last=2) as mgr:
+        restored = mgr.restore(state)
+        start = (0 if restored is None else restored + 1) if resume == "next" else (restored or 0)
+        for step in range(start, total):
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+            loss = model(x).pow(2).mean()
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+            if step % every == 0:
+                mgr.save(step, state)
+    torch.save(model.state_dict(), result)
+
+
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(60)  # not reached
@@ -208,6 +232,7 @@ def mode_save_as(path: str, result: str, uid: int, gid: int) -> None:
 
 
 MODES = {"manager_loop": mode_manager_loop, "overwrite_loop": mode_overwrite_loop,
+         "readme_loop": mode_readme_loop,
          "crash_at": mode_crash_at, "save_as": mode_save_as}
 
 

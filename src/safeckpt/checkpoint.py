@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 import secrets
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, Union
 
 import torch
 
@@ -29,7 +30,7 @@ from .state import FlatState, LoadPlanner, flatten
 from .storage import Storage
 from .storage import open as open_storage
 
-PathLike = "str | os.PathLike[str] | Storage"
+PathLike = Union[str, "os.PathLike[str]", Storage]  # a path, file:// or other storage URL, or a Storage
 F = TypeVar("F", bound=Callable[..., Any])
 
 

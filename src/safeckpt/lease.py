@@ -16,6 +16,7 @@ import re
 import socket
 import time
 import uuid
+import warnings
 from dataclasses import asdict, dataclass
 
 from .errors import CheckpointExistsError
@@ -71,7 +72,15 @@ class WriterLease:
             return epoch, None
 
     def acquire(self) -> None:
-        """Take the root (see module docstring); raises if a live local process has it."""
+        """Take the root (see module docstring); raises if a live local process has it.
+
+        The lease is only as strong as the backend's exclusive create: where that is
+        not enforced (``Storage.exclusive_create`` false), two jobs starting at the same
+        moment could both take it, which is said once in a warning."""
+        if not self.storage.exclusive_create:
+            warnings.warn(f"{self.storage.url}: this storage cannot create files exclusively, so the "
+                          "writer lease cannot keep two jobs that start at the same moment apart; "
+                          "run one job per checkpoint root", stacklevel=4)
         epoch, holder = self.current()
         if holder is not None and holder.token != self.me.token and holder.alive_here():
             raise CheckpointExistsError(

@@ -313,55 +313,18 @@ class SaveRun:
                     "writes every chunk it cannot share")
 
     def _check_visible(self, reports: list[Report]) -> None:
-        """Rank 0 must see every rank's file, or the checkpoint could never be loaded."""
-        deadline = time.monotonic() + VISIBILITY_WAIT_S
-        while True:
-            listing = self.storage.listdir()
-            missing = [(r, rep.file) for r, rep in enumerate(reports)
-                       if rep.file is not None and listing.get(rep.file.name) != rep.file.size]
-            if not missing or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)  # network filesystems may show a new file late
-        if missing:
-            named = ", ".join(f"rank {r}: {f.name}" for r, f in missing)
-            raise SaveAbortedError(
-                f"rank 0 cannot see files other ranks wrote to {self.storage.url} ({named}): the "
-                "storage is not shared between the ranks (node-local disks?); save to a shared "
-                "filesystem or an object store")
+        check_visible(self.storage, [(r, rep.file) for r, rep in enumerate(reports) if rep.file is not None])
 
     def _write_manifest(self, manifest: Manifest) -> None:
-        name = manifest_name(manifest.seq)
-        try:
-            self.storage.write_file(name, [encode_manifest(manifest)])
-            self.committed = True
-        except FileExistsError as exc:
-            raise CheckpointExistsError(
-                f"another save committed {name} in {self.storage.url} at the same time; two "
-                "writers are using one checkpoint path") from exc
-        except BaseException:  # it may be complete on disk even though its fsync failed
-            self._remove(name)
-            raise
+        write_manifest(self.storage, manifest)
+        self.committed = True
 
     def _retire_old(self, manifest: Manifest) -> None:
-        if self.old is None:
-            return
-        from .checkpoint import retire  # the deletion order lives with the checkpoint
-        from .garbage import shared_by_siblings
-
-        try:
-            # an incremental checkpoint's files may be read by later ones: spare those
-            spare = shared_by_siblings(self.storage) if self.old.version >= 2 else set()
-            retire(self.storage, keep=manifest, spare=spare)
-        except OSError as exc:  # committed; leftovers are garbage for gc, not an error
-            warnings.warn(f"saved {self.storage.url}, but removing the replaced version failed: {exc}",
-                          stacklevel=4)
+        retire_replaced(self.storage, self.old, manifest)
 
     # -- failure ---------------------------------------------------------------------
     def _remove(self, name: str) -> None:
-        try:
-            self.storage.delete([name])
-        except OSError:
-            pass
+        remove_quietly(self.storage, [name])
 
     def _raise(self, message: str, errors: dict[int, str], exists: bool) -> None:
         if exists:
@@ -370,6 +333,62 @@ class SaveRun:
             raise self.local_error
         cause = self.local_error
         raise SaveAbortedError(message, errors) from cause
+
+
+def check_visible(storage: Storage, files: list[tuple[int, FileEntry]]) -> None:
+    """Rank 0 must see every rank's file (``(rank, entry)``), or the checkpoint could
+    never be loaded."""
+    deadline = time.monotonic() + VISIBILITY_WAIT_S
+    while True:
+        listing = storage.listdir()
+        missing = [(r, f) for r, f in files if listing.get(f.name) != f.size]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)  # network filesystems may show a new file late
+    if missing:
+        named = ", ".join(f"rank {r}: {f.name}" for r, f in missing)
+        raise SaveAbortedError(
+            f"rank 0 cannot see files other ranks wrote to {storage.url} ({named}): the "
+            "storage is not shared between the ranks (node-local disks?); save to a shared "
+            "filesystem or an object store")
+
+
+def write_manifest(storage: Storage, manifest: Manifest) -> None:
+    """The commit: write the manifest, the last file of a save. On return it is durable."""
+    name = manifest_name(manifest.seq)
+    try:
+        storage.write_file(name, [encode_manifest(manifest)])
+    except FileExistsError as exc:
+        raise CheckpointExistsError(
+            f"another save committed {name} in {storage.url} at the same time; two "
+            "writers are using one checkpoint path") from exc
+    except BaseException:  # it may be complete on disk even though its fsync failed
+        remove_quietly(storage, [name])
+        raise
+
+
+def retire_replaced(storage: Storage, old: Manifest | None, manifest: Manifest) -> None:
+    """After a commit over ``old``: delete its manifest, then the data only it used."""
+    if old is None:
+        return
+    from .checkpoint import retire  # the deletion order lives with the checkpoint
+    from .garbage import shared_by_siblings
+
+    try:
+        # an incremental checkpoint's files may be read by later ones: spare those
+        spare = shared_by_siblings(storage) if old.version >= 2 else set()
+        retire(storage, keep=manifest, spare=spare)
+    except OSError as exc:  # committed; leftovers are garbage for gc, not an error
+        warnings.warn(f"saved {storage.url}, but removing the replaced version failed: {exc}",
+                      stacklevel=4)
+
+
+def remove_quietly(storage: Storage, names: list[str]) -> None:
+    """Best-effort removal of a failed save's files (what is left is garbage for gc)."""
+    try:
+        storage.delete(names)
+    except OSError:
+        pass
 
 
 def _summary(url: str, errors: dict[int, str]) -> str:

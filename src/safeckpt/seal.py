@@ -24,10 +24,10 @@ import time
 
 from .checkpoint import CheckpointInfo, new_save_id, plain_values, retire
 from .checksum import BLOCK_SIZE, file_checksum
-from .commit import DATA_RE, read_existing
-from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from .manifest import (FileEntry, Manifest, check_relpath, encode_manifest, encode_values, is_shared,
-                       manifest_name, manifest_seq)
+from .commit import DATA_RE, read_existing, write_manifest
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from .manifest import (FileEntry, Manifest, check_relpath, encode_values, is_shared,
+                       manifest_seq)
 from .storage import Storage
 from .storage import open as open_storage
 from .storage.local import LocalStorage, fsync_folder
@@ -156,7 +156,7 @@ def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None
         block_size=existing.block_size if existing is not None else BLOCK_SIZE,
         run_id=existing.run_id if existing is not None else None,
         version=existing.version if existing is not None else 1)
-    _write_manifest(storage, manifest)
+    write_manifest(storage, manifest)
     try:
         retire(storage, keep=manifest)
     except OSError:
@@ -164,20 +164,3 @@ def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None
     return CheckpointInfo(path=storage.url, save_id=manifest.save_id, seq=manifest.seq, step=manifest.step,
                           bytes=manifest.total_bytes, files=list(files), seconds=time.perf_counter() - started,
                           world_size=1, metadata=manifest.metadata)
-
-
-def _write_manifest(storage: Storage, manifest: Manifest) -> None:
-    name = manifest_name(manifest.seq)
-    try:
-        storage.write_file(name, [encode_manifest(manifest)])
-    except FileExistsError as exc:
-        raise CheckpointExistsError(
-            f"another process committed {name} in {storage.url} while this one was sealing it; "
-            "two writers are using one checkpoint folder") from exc
-    except BaseException:
-        try:  # it may be complete on disk even though its fsync failed
-            storage.delete([name])
-        except OSError:
-            pass
-        raise
-

@@ -289,3 +289,21 @@ def test_unsupported_features_raise_a_typed_error_and_write_nothing(tmp_path):
         (error, _), = info.value.failures.values()
         assert isinstance(error, safeckpt.UnsupportedFeatureError) and needle in str(error), error
         assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+def test_extra_state_is_committed_with_the_dcp_items(tmp_path):
+    path = str(tmp_path / "c")
+    meta = {"epoch": 2, "loops": {"fit": {"state_dict": {}, "done": 3}}, "best": torch.tensor(0.25),
+            "k": {"/run/epoch=1.ckpt": torch.tensor(1.5)}, "betas": (0.9, 0.99)}
+    dcp.save({"model": {"w": torch.ones(4)}}, storage_writer=safeckpt.dcp.Writer(path, extra={"meta": meta}))
+    assert safeckpt.verify(path).ok
+    got = safeckpt.load_state(path, keys=["meta"])
+    assert dw.compare(got, {"meta": meta}) == []  # empty dicts, tensors and tuples as they were
+    target = {"model": {"w": torch.zeros(4)}}
+    dcp.load(target, storage_reader=safeckpt.dcp.Reader(path))  # DCP sees only its own items
+    assert torch.equal(target["model"]["w"], torch.ones(4))
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"meta": torch.ones(1)}, storage_writer=safeckpt.dcp.Writer(path, extra={"meta": meta}))
+    (error, _), = info.value.failures.values()
+    assert isinstance(error, safeckpt.UnsupportedFeatureError) and "both hold ['meta']" in str(error)
+    assert dw.compare(safeckpt.load_state(path, keys=["meta"]), {"meta": meta}) == []

@@ -37,9 +37,10 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   StorageMeta, TensorProperties, TensorStorageMetadata)
+                                                   MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
-                                                  WriteItem, WriteItemType)
+                                                  TensorWriteData, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.distributed.checkpoint._traverse import set_element
 from torch.futures import Future
@@ -55,7 +56,7 @@ from .errors import (CheckpointError, CheckpointExistsError, CorruptCheckpointEr
 from .manifest import Chunk, DcpRecord, FileEntry, Manifest, TensorEntry, encode_values
 from .plan import PlanError, check_coverage
 from .reader import TensorReader
-from .state import Read
+from .state import Read, flatten
 from .storage import Storage
 from .storage import open as open_storage
 from .tensors import dtype_from_name, dtype_name
@@ -63,6 +64,7 @@ from .tensors import dtype_from_name, dtype_name
 __all__ = ["Writer", "Reader", "dcp_to_torch_save", "UnsupportedFeatureError"]
 
 Path = tuple[str | int, ...]
+_EXTRA = "$extra"  # the index of the write result that carries ``extra``'s tree
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,16 @@ class _Written:
     end: int
     checksums: list[str]
     shape: list[int]
+    dtype: str
+
+
+@dataclass
+class _Extra:
+    """The coordinator's ``extra`` state: its tree (tensor references by name) and aliases."""
+
+    tree: Any
+    aliases: dict[str, str]
+    names: list[str]
 
 
 @dataclass
@@ -104,10 +116,15 @@ class Writer(StorageWriter):
     ``storage_options``) or a ``Storage``. ``overwrite`` (default, as DCP's
     ``FileSystemWriter``) replaces a committed checkpoint atomically; without it an
     existing one raises ``CheckpointExistsError``. ``step`` and ``metadata`` go into
-    the manifest. ``_extensions`` (DCP's stream transforms) are not supported."""
+    the manifest. ``extra`` is a state saved by rank 0 as ``safeckpt.save`` would (its
+    own tensors, values and empty containers kept as they are) in the same commit, next
+    to DCP's items, under its own top-level keys: a trainer's metadata (Lightning's
+    ``meta.pt``); read it back with ``safeckpt.load_state(path, keys=[...])``.
+    ``_extensions`` (DCP's stream transforms) are not supported."""
 
     def __init__(self, path: PathLike, *, storage_options: dict | None = None, overwrite: bool = True,
-                 step: int | None = None, metadata: dict | None = None, _extensions: Any = None) -> None:
+                 step: int | None = None, metadata: dict | None = None, extra: dict | None = None,
+                 _extensions: Any = None) -> None:
         super().__init__()
         if _extensions:
             raise UnsupportedFeatureError(
@@ -118,6 +135,10 @@ class Writer(StorageWriter):
         self.step = step
         self.metadata = plain_values(metadata, "metadata")
         encode_values(self.metadata, "metadata")  # refused now, before any save
+        if extra is not None and not (isinstance(extra, dict) and all(
+                type(k) is str and not k.startswith("$") for k in extra)):
+            raise TypeError("extra must be a dict with string keys that do not start with '$'")
+        self.extra = extra
         self.storage: Storage = open_storage(path, **self.storage_options)
         self.reset()
 
@@ -173,6 +194,8 @@ class Writer(StorageWriter):
         name = data_file_name(assigned.save_id, assigned.rank)
         try:
             tensors, results = self._resolve(plan, planner)
+            if self.extra and assigned.rank == 0:
+                tensors += self._extra(results)
             if tensors:
                 results += self._write_tensors(name, assigned, tensors)
         except BaseException as exc:
@@ -225,6 +248,18 @@ class Writer(StorageWriter):
             tensors.append((item, t))
         return tensors, values
 
+    def _extra(self, results: list[WriteResult]) -> list[tuple[WriteItem, torch.Tensor]]:
+        """Flatten ``extra`` as ``safeckpt.save`` does; its tensors become whole-tensor items."""
+        flat = flatten(self.extra)
+        if flat.has_local:
+            raise UnsupportedFeatureError("safeckpt.dcp.Writer: extra cannot hold RankLocal values")
+        results.append(WriteResult(MetadataIndex(_EXTRA), 0, _Extra(flat.tree, flat.aliases, list(flat.pieces))))
+        return [(WriteItem(MetadataIndex(name), WriteItemType.TENSOR,
+                           tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size([0] * p.tensor.dim()),
+                                                                            p.tensor.shape),
+                                                       TensorProperties(dtype=p.tensor.dtype), p.tensor.shape)),
+                 p.tensor) for name, p in flat.pieces.items()]
+
     def _write_tensors(self, name: str, assigned: _Assigned, tensors: list) -> list[WriteResult]:
         keys = [item.index.fqn for item, _ in tensors]
         if len(set(keys)) < len(keys):  # several chunks of one tensor on this rank
@@ -236,22 +271,28 @@ class Writer(StorageWriter):
         entry = FileEntry(name, size, rank=assigned.rank, header_size=len(layout.header),
                           header_checksum=checksum(layout.header))
         return [WriteResult(item.index, w.end - w.start,
-                            _Written(entry, w.start, w.end, w.checksums, list(item.tensor_data.chunk.sizes)))
-                for (item, _), w in zip(tensors, written)]
+                            _Written(entry, w.start, w.end, w.checksums, list(item.tensor_data.chunk.sizes),
+                                     dtype_name(t.dtype)))
+                for (item, t), w in zip(tensors, written)]
 
     def _manifest(self, metadata: Metadata, results: list[list[WriteResult]],
                   files: dict[str, FileEntry]) -> Manifest:
         chunks: dict[str, list[Chunk]] = {}
         values: dict[str, Any] = {}
         bytesio: list[str] = []
+        extra: _Extra | None = None
+        dtypes: dict[str, str] = {}
         for rank in results:
             for r in rank:
                 fqn, data = r.index.fqn, r.storage_data
-                if isinstance(data, _Value):
+                if isinstance(data, _Extra):
+                    extra = data
+                elif isinstance(data, _Value):
                     values[fqn] = data.node
                     if data.bytesio:
                         bytesio.append(fqn)
                 else:
+                    dtypes[fqn] = data.dtype
                     offsets = list(r.index.offset) if r.index.offset is not None else [0] * len(data.shape)
                     chunks.setdefault(fqn, []).append(
                         Chunk(data.file.name, data.start, data.end, data.checksums, offsets, data.shape))
@@ -277,9 +318,24 @@ class Writer(StorageWriter):
             leaf = {"$tensor": fqn} if fqn in tensors else values[fqn]
             set_element(root, path, codec.Encoded(leaf))
         tree = codec.encode(root, "", _no_tensor, lambda k, v: v, allow_pickle=False)
+        if extra is not None:
+            tree = _merge_extra(tree, extra, chunks, dtypes, tensors)
         return Manifest(save_id=self.save_id or "", seq=self.seq, created=time.time(), world_size=len(results),
                         files=files, tensors=tensors, tree=tree, step=self.step, metadata=self.metadata,
                         dcp=DcpRecord({fqn: list(p) for fqn, p in paths.items()}, flattened, sorted(bytesio)))
+
+
+def _merge_extra(tree: dict, extra: _Extra, chunks: dict[str, list[Chunk]], dtypes: dict[str, str],
+                 tensors: dict[str, TensorEntry]) -> dict:
+    """The ``extra`` state's keys next to DCP's at the root, its tensors in the table."""
+    clash = sorted(set(tree) & set(extra.tree) | set(tensors) & set(extra.names))
+    if clash:
+        raise UnsupportedFeatureError(f"safeckpt.dcp.Writer: extra and the DCP state both hold {clash}")
+    for name in extra.names:  # one whole chunk each
+        tensors[name] = TensorEntry(dtypes[name], list(chunks[name][0].shape), chunks[name])
+    for alias, first in extra.aliases.items():
+        tensors[alias] = tensors[first]
+    return {**tree, **extra.tree}
 
 
 def _on_rank(exc: Exception, rank: int, doing: str) -> CheckpointError:

@@ -196,6 +196,31 @@ def test_sigkill_during_a_resave_keeps_the_checkpoint_with_the_writer(launch, ro
     assert dw.compare(target, {n: cw.kill_full(n, 1) for n in cw.KILL_SHAPES}) == []
 
 
+# --------------------------------------------------------------------------- trainer drop-ins
+
+
+@pytest.fixture(scope="module")
+def accel(launch, root) -> dw.Launch:
+    pytest.importorskip("accelerate")
+    return launch(2, ["dcp_accel_save"], root)
+
+
+def test_accelerate_saves_fsdp_models_sharded_and_resumes(accel):
+    for r, data in enumerate(accel.results("dcp_accel_save")):
+        for kind, res in data.items():
+            assert res["restored"] == 2 and res["step"] == 2, (r, kind, res)
+            assert not res["problems"], f"rank {r}, {kind}: {res['problems']}"
+            assert len([f for f in res["files"] if f.startswith("data-")]) == 2, res["files"]  # each rank its shards
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_accelerate_fsdp_checkpoint_loads_on_another_world_size(launch, root, accel, world):
+    accel.results("dcp_accel_save")
+    for r, data in enumerate(launch(world, ["dcp_accel_load"], root).results("dcp_accel_load")):
+        for kind, res in data.items():
+            assert res["restored"] == 2 and not res["problems"], (r, kind, res)
+
+
 # --------------------------------------------------------------------------- one process
 
 

@@ -273,6 +273,78 @@ def sc_dcp_kill_safe(ctx: dw.Ctx) -> dict:
     return _killed_resave(ctx, "safe")
 
 
+# -- the trainer drop-ins' FSDP path: Accelerate ---------------------------------------------
+
+
+def _fsdp_model(kind: str, seed: int):
+    """The same small model sharded by FSDP2 (``fully_shard``) or FSDP1, with Adam."""
+    import torch
+    from torch import nn
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 10), nn.ReLU(), nn.Linear(10, 6))
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    return model, torch.optim.Adam(model.parameters(), lr=0.05)
+
+
+def _full_state(model, opt) -> dict:
+    """Full tensors of the model and optimizer (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    return {"model": dict(msd), "optim": osd["state"], "groups": osd["param_groups"]}
+
+
+def _accelerator(model, opt):
+    """An Accelerator tracking an FSDP model as ``prepare`` does under FSDP (on CPU,
+    Accelerate itself falls back to DDP, so the model is registered directly)."""
+    from accelerate import Accelerator
+    acc = Accelerator(cpu=True)
+    acc._models.append(model)
+    acc._optimizers.append(opt)
+    return acc
+
+
+def sc_dcp_accel_save(ctx: dw.Ctx) -> dict:
+    import torch
+    from safeckpt.integrations import accelerate as sa
+    out = {}
+    for kind in ("fsdp2", "fsdp1"):
+        model, opt = _fsdp_model(kind, 0)
+        for step in range(2):
+            dw.fsdp_train_step(model, opt, ctx.rank, step)
+        acc = _accelerator(model, opt)
+        acc.step = 2
+        info = sa.save_state(acc, str(ctx.root / f"accel_{kind}"), 2)
+        expected = _full_state(model, opt)
+        if ctx.rank == 0:
+            torch.save(expected, ctx.root / f"accel_{kind}_expected.pt")
+        fresh, fresh_opt = _fsdp_model(kind, 1)
+        acc2 = _accelerator(fresh, fresh_opt)
+        restored = sa.load_state(acc2, str(ctx.root / f"accel_{kind}"))
+        out[kind] = {"restored": restored, "files": sorted(info.files), "step": acc2.step,
+                     "problems": dw.compare(_full_state(fresh, fresh_opt), expected)}
+    return out
+
+
+def sc_dcp_accel_load(ctx: dw.Ctx) -> dict:
+    import torch
+    from safeckpt.integrations import accelerate as sa
+    out = {}
+    for kind in ("fsdp2", "fsdp1"):
+        model, opt = _fsdp_model(kind, 1)
+        acc = _accelerator(model, opt)
+        restored = sa.load_state(acc, str(ctx.root / f"accel_{kind}"), strict=False)  # RNG: saved by 2 ranks
+        expected = torch.load(ctx.root / f"accel_{kind}_expected.pt", weights_only=True)
+        out[kind] = {"restored": restored, "problems": dw.compare(_full_state(model, opt), expected)}
+    return out
+
+
 dw.SCENARIOS.update({name[3:]: fn for name, fn in dict(globals()).items() if name.startswith("sc_dcp_")})
 
 

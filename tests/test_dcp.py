@@ -202,7 +202,8 @@ def test_sigkill_during_a_resave_keeps_the_checkpoint_with_the_writer(launch, ro
 @pytest.fixture(scope="module")
 def accel(launch, root) -> dw.Launch:
     pytest.importorskip("accelerate")
-    return launch(2, ["dcp_accel_save"], root)
+    pytest.importorskip("transformers")
+    return launch(2, ["dcp_accel_save", "dcp_trainer_save", "dcp_trainer_load"], root)
 
 
 def test_accelerate_saves_fsdp_models_sharded_and_resumes(accel):
@@ -214,11 +215,21 @@ def test_accelerate_saves_fsdp_models_sharded_and_resumes(accel):
 
 
 @pytest.mark.parametrize("world", [1, 3])
-def test_accelerate_fsdp_checkpoint_loads_on_another_world_size(launch, root, accel, world):
+def test_fsdp_checkpoints_of_accelerate_and_the_trainer_load_on_another_world_size(launch, root, accel, world):
     accel.results("dcp_accel_save")
-    for r, data in enumerate(launch(world, ["dcp_accel_load"], root).results("dcp_accel_load")):
+    accel.results("dcp_trainer_save")
+    loaded = launch(world, ["dcp_accel_load", "dcp_trainer_load"], root)
+    for r, data in enumerate(loaded.results("dcp_accel_load")):
         for kind, res in data.items():
             assert res["restored"] == 2 and not res["problems"], (r, kind, res)
+    no_problems(loaded.results("dcp_trainer_load"), f"SafeTrainer FSDP2 checkpoint loaded on {world} ranks")
+
+
+def test_trainer_saves_fsdp_models_sharded_and_sealed_with_its_files(accel, root):
+    files = accel.results("dcp_trainer_save")[0]["files"]
+    assert "trainer_state.json" in files and len([f for f in files if f.startswith("data-")]) == 2, files
+    assert safeckpt.verify(str(root / "trainer" / "checkpoint-2")).ok
+    no_problems(accel.results("dcp_trainer_load"), "SafeTrainer FSDP2 checkpoint loaded on the same 2 ranks")
 
 
 # --------------------------------------------------------------------------- one process

@@ -345,6 +345,50 @@ def sc_dcp_accel_load(ctx: dw.Ctx) -> dict:
     return out
 
 
+# -- the trainer drop-ins' FSDP path: the Hugging Face Trainer ----------------------------------
+
+
+def _trainer(model, opt, output_dir: str):
+    """A SafeTrainer around an FSDP2 model (on CPU the Trainer would use DDP: the FSDP
+    model is handed to it already sharded, as accelerate.prepare leaves it under FSDP)."""
+    import logging
+
+    from transformers import TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    from safeckpt.integrations.transformers import SafeTrainer
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    args = TrainingArguments(output_dir=output_dir, use_cpu=True, report_to=[], save_total_limit=2)
+    return SafeTrainer(model=model, args=args, optimizers=(opt, None))
+
+
+def sc_dcp_trainer_save(ctx: dw.Ctx) -> dict:
+    import torch
+    model, opt = _fsdp_model("fsdp2", 0)
+    for step in range(2):
+        dw.fsdp_train_step(model, opt, ctx.rank, step)
+    trainer = _trainer(model, opt, str(ctx.root / "trainer"))
+    trainer.state.global_step = 2
+    trainer._save_checkpoint(trainer.model, None)
+    expected = _full_state(model, opt)
+    if ctx.rank == 0:
+        torch.save(expected, ctx.root / "trainer_expected.pt")
+    ctx.barrier()
+    return {"files": sorted(dw.listing(ctx.root / "trainer" / "checkpoint-2"))}
+
+
+def sc_dcp_trainer_load(ctx: dw.Ctx) -> dict:
+    import torch
+    model, opt = _fsdp_model("fsdp2", 1)
+    trainer = _trainer(model, opt, str(ctx.root / "trainer"))
+    path = str(ctx.root / "trainer" / "checkpoint-2")
+    trainer._load_from_checkpoint(path, trainer.model)
+    trainer._load_optimizer_and_scheduler(path)
+    expected = torch.load(ctx.root / "trainer_expected.pt", weights_only=True)
+    return {"problems": dw.compare(_full_state(model, opt), expected)}
+
+
 dw.SCENARIOS.update({name[3:]: fn for name, fn in dict(globals()).items() if name.startswith("sc_dcp_")})
 
 

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
                                                   TensorWriteData, WriteItem, WriteItemType)
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.distributed.checkpoint._traverse import set_element
 from torch.futures import Future
@@ -109,7 +110,7 @@ def _fqn_error(fqn: str, what: str) -> UnsupportedFeatureError:
     return UnsupportedFeatureError(f"safeckpt.dcp: {fqn!r}: {what}")
 
 
-class Writer(StorageWriter):
+class Writer(StorageWriter, BlockingAsyncStager):
     """``dcp.save(state, storage_writer=safeckpt.dcp.Writer(path))``: a crash-safe DCP save.
 
     ``path`` is any safeckpt storage URL (local path, ``file://``, ``s3://`` ... with
@@ -120,12 +121,15 @@ class Writer(StorageWriter):
     own tensors, values and empty containers kept as they are) in the same commit, next
     to DCP's items, under its own top-level keys: a trainer's metadata (Lightning's
     ``meta.pt``); read it back with ``safeckpt.load_state(path, keys=[...])``.
-    ``_extensions`` (DCP's stream transforms) are not supported."""
+    For ``dcp.async_save`` it stages the state in host memory as DCP's
+    ``FileSystemWriter`` does (``cache_staged_state_dict`` keeps the staging copy, pinned,
+    for the next save). ``_extensions`` (DCP's stream transforms) are not supported."""
 
     def __init__(self, path: PathLike, *, storage_options: dict | None = None, overwrite: bool = True,
                  step: int | None = None, metadata: dict | None = None, extra: dict | None = None,
-                 _extensions: Any = None) -> None:
-        super().__init__()
+                 cache_staged_state_dict: bool = False, _extensions: Any = None) -> None:
+        StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         if _extensions:
             raise UnsupportedFeatureError(
                 "safeckpt.dcp.Writer does not support DCP's _extensions (stream transforms such as "

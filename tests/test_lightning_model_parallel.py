@@ -1,4 +1,5 @@
-"""Lightning's ModelParallelStrategy (FSDP2) with safeckpt: ``SafeModelParallelStrategy``.
+"""Lightning's sharded strategies with safeckpt: ``SafeModelParallelStrategy`` (FSDP2) and
+``SafeFSDPStrategy`` (FSDP1, ``state_dict_type="sharded"``).
 
 Real 2-process runs on CPU (gloo), launched the way Lightning launches them (this file
 run as a script; Lightning re-runs it for rank 1): a small MLP sharded with
@@ -8,6 +9,11 @@ second run SIGKILLs both ranks half way through writing the data of the 3rd save
 ``last.ckpt``; a third, fresh run from another random model resumes with
 ``fit(ckpt_path="last")`` and must end with the reference run's weights and optimizer
 state, bit for bit, and the same set of checkpoints.
+
+Lightning's ``FSDPStrategy`` refuses CPU; the FSDP1 runs use the smallest subclass that
+lets it run there (``CpuFSDP``: it wraps the module with ``device_id=cpu`` itself). They
+take as long again, so they run with ``--slow``; the save and load code they check
+beyond the FSDP2 runs is ``SafeFSDPStrategy._load_sharded``.
 """
 
 from __future__ import annotations
@@ -42,10 +48,10 @@ def child_main(args: dict) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from torch import nn
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from safeckpt.integrations.lightning import SafeModelParallelStrategy
+    from safeckpt.integrations.lightning import SafeFSDPStrategy, SafeModelParallelStrategy
     from safeckpt.storage import LocalStorage
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -57,6 +63,8 @@ def child_main(args: dict) -> None:
             self.net = nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 1))
 
         def configure_model(self) -> None:
+            if args["strategy"] != "model_parallel":
+                return  # FSDP1: the strategy wraps the whole module
             mesh = self.device_mesh["data_parallel"]
             for layer in self.net:
                 if isinstance(layer, nn.Linear):
@@ -72,7 +80,9 @@ def child_main(args: dict) -> None:
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=0.05)
 
-    class Killing(SafeModelParallelStrategy):
+    base = SafeModelParallelStrategy if args["strategy"] == "model_parallel" else SafeFSDPStrategy
+
+    class Killing(base):
         """SIGKILLs every rank half way through its data file of the n-th save to a name."""
 
         seen = 0
@@ -99,6 +109,14 @@ def child_main(args: dict) -> None:
                     return super().write_file(fname, half())
             return Dying(path)
 
+    class CpuFSDP(Killing):
+        """The smallest change that lets Lightning's FSDPStrategy run FSDP1 on CPU: wrap
+        the module with ``device_id=cpu`` first (the strategy keeps a wrapped module)."""
+
+        def _setup_model(self, model):
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            return super()._setup_model(FSDP(model, device_id=torch.device("cpu"), **self.kwargs))
+
     class StartStep(Callback):
         start = None
 
@@ -115,16 +133,17 @@ def child_main(args: dict) -> None:
                                  save_top_k=2, save_last=True, every_n_train_steps=BATCHES_PER_EPOCH,
                                  enable_version_counter=False)
     trainer = pl.Trainer(max_steps=MAX_STEPS, accelerator="cpu", devices=2, logger=False,
-                         strategy=Killing(data_parallel_size=2, tensor_parallel_size=1),
+                         strategy=Killing(data_parallel_size=2, tensor_parallel_size=1)
+                         if base is SafeModelParallelStrategy else CpuFSDP(state_dict_type="sharded"),
                          enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[checkpoint, StartStep()], default_root_dir=args["dir"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, loader, ckpt_path=args.get("ckpt_path"))
-    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    optim = get_optimizer_state_dict(model, trainer.optimizers[0], options=StateDictOptions(full_state_dict=True))
+    full, optim = get_state_dict(trainer.strategy.model, trainer.optimizers[0],
+                                 options=StateDictOptions(full_state_dict=True))
     if trainer.global_rank == 0 and args.get("out"):
-        torch.save({"model": full, "optim": optim["state"], "start": StartStep.start}, args["out"])
+        torch.save({"model": dict(full), "optim": optim["state"], "start": StartStep.start}, args["out"])
 
 
 def run_child(args: dict, timeout: float = 300.0) -> subprocess.CompletedProcess:
@@ -146,12 +165,14 @@ def same(a, b, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("mp-ref")
-    done = run_child({"dir": str(tmp / "ckpts"), "seed": SEED, "out": str(tmp / "final.pt")})
+@pytest.fixture(scope="module", params=["model_parallel", pytest.param("fsdp", marks=pytest.mark.slow)])
+def reference(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"{request.param}-ref")
+    done = run_child({"dir": str(tmp / "ckpts"), "seed": SEED, "out": str(tmp / "final.pt"),
+                      "strategy": request.param})
     assert done.returncode == 0, done.stderr[-4000:]
-    return {"dir": tmp / "ckpts", "final": torch.load(tmp / "final.pt", weights_only=True)}
+    return {"dir": tmp / "ckpts", "final": torch.load(tmp / "final.pt", weights_only=True),
+            "strategy": request.param}
 
 
 def test_sharded_checkpoints_are_committed_safeckpt_checkpoints_with_lightning_meta(reference):
@@ -166,12 +187,14 @@ def test_sharded_checkpoints_are_committed_safeckpt_checkpoints_with_lightning_m
     state = safeckpt.load_state(str(reference["dir"] / "last.ckpt"))
     assert state["meta"]["global_step"] == MAX_STEPS and state["meta"]["epoch"] == 3
     assert "loops" in state["meta"] and "callbacks" in state["meta"]
-    same(state["state_dict"], reference["final"]["model"], "state_dict")
+    key = "state_dict" if reference["strategy"] == "model_parallel" else "model"  # as Lightning names it
+    same(state[key], reference["final"]["model"], key)
 
 
 def test_killed_mid_save_then_fit_ckpt_last_resumes_bit_exact(reference, tmp_path):
     dirpath = tmp_path / "ckpts"
-    killed = run_child({"dir": str(dirpath), "seed": SEED, "kill_at": "last.ckpt:3"})
+    killed = run_child({"dir": str(dirpath), "seed": SEED, "kill_at": "last.ckpt:3",
+                        "strategy": reference["strategy"]})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
     last = dirpath / "last.ckpt"
     assert safeckpt.verify(str(last)).ok
@@ -180,7 +203,8 @@ def test_killed_mid_save_then_fit_ckpt_last_resumes_bit_exact(reference, tmp_pat
     assert len({f.split("-")[1] for f in data}) == 2  # step 8's files and the killed save's
 
     out = tmp_path / "resumed.pt"
-    resumed = run_child({"dir": str(dirpath), "seed": OTHER_SEED, "ckpt_path": "last", "out": str(out)})
+    resumed = run_child({"dir": str(dirpath), "seed": OTHER_SEED, "ckpt_path": "last", "out": str(out),
+                         "strategy": reference["strategy"]})
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     got = torch.load(out, weights_only=True)
     assert got["start"] == 8

@@ -343,3 +343,22 @@ def test_extra_state_is_committed_with_the_dcp_items(tmp_path):
     (error, _), = info.value.failures.values()
     assert isinstance(error, safeckpt.UnsupportedFeatureError) and "both hold ['meta']" in str(error)
     assert dw.compare(safeckpt.load_state(path, keys=["meta"]), {"meta": meta}) == []
+
+
+def test_any_storage_url_and_export(tmp_path):
+    pytest.importorskip("fsspec")
+    import fsspec
+    import safetensors.torch
+
+    url = f"memory://safeckpt-dcp-{id(tmp_path)}/run/last"
+    try:
+        dcp.save(_state(), storage_writer=safeckpt.dcp.Writer(url))
+        target = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16)}}
+        dcp.load(target, storage_reader=safeckpt.dcp.Reader(url))
+        assert dw.compare(target, {"model": _state()["model"]}) == []
+        assert safeckpt.verify(url).ok
+        assert cli(["export", url, str(tmp_path / "model.safetensors")]) == 0
+    finally:
+        fsspec.filesystem("memory").rm(f"memory://safeckpt-dcp-{id(tmp_path)}", recursive=True)
+    exported = safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
+    assert torch.equal(exported["model.w"], _state()["model"]["w"])

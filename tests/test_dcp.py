@@ -100,6 +100,18 @@ def test_fsdp2_checkpoint_is_an_ordinary_safeckpt_checkpoint(two, root):
     assert dw.compare(state["model"], expected["model"]) == []
     assert state["epoch"] == 3 and state["train"] == b"loader-position:1"  # a BytesIO's bytes
     assert state["info"] == {"name": "run-1", "betas": (0.9, 0.999), "none": None}
+    # DCP's Metadata, rebuilt from the manifest, says what DCP's own pickled one says
+    ours = safeckpt.dcp.Reader(str(path)).read_metadata()
+    stock = dcp.FileSystemReader(str(root / "fsdp_stock")).read_metadata()
+    assert ours.planner_data == stock.planner_data
+    assert ours.state_dict_metadata.keys() == stock.state_dict_metadata.keys()
+    for fqn, md in stock.state_dict_metadata.items():
+        mine = ours.state_dict_metadata[fqn]
+        assert type(mine) is type(md), fqn
+        if hasattr(md, "chunks"):
+            assert (mine.size, mine.properties.dtype) == (md.size, md.properties.dtype), fqn
+            assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in mine.chunks) == \
+                sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks), fqn
     # the same state as DCP's own FileSystemWriter wrote, converted by each tool
     ours, stock = root / "ours.pt", root / "stock.pt"
     safeckpt.dcp.dcp_to_torch_save(str(path), ours)

@@ -533,6 +533,47 @@ def preflight(base, need_bytes: float) -> bool:
     return True
 
 
+def launch_ranks(script: Path, world: int, args: list[str], workdir: Path, timeout: float) -> dict:
+    """Run ``script --_worker`` as ``world`` real processes (rank, world, port, ``--dir``
+    and ``--out`` added to ``args``) and return the JSON rank 0 wrote, or ``{"error": ...}``."""
+    import json
+    import subprocess
+    port = free_port()
+    out = workdir.with_suffix(".json")
+    workdir.mkdir()
+    env = dict(os.environ)
+    if world > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several processes per node
+    cmd = [sys.executable, str(script), "--_worker", "--world", str(world), "--port", str(port), *args,
+           "--dir", str(workdir), "--out", str(out)]
+    procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(world)]
+    deadline = time.monotonic() + timeout
+    logs = []
+    try:
+        for p in procs:
+            left = max(1.0, deadline - time.monotonic())
+            try:
+                _, se = p.communicate(timeout=left)
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    if q.poll() is None:
+                        q.kill()
+                return {"world": world, "error": f"timed out after {timeout:.0f}s"}
+            logs.append(se)
+        if any(p.returncode for p in procs) or not out.exists():
+            tail = next((s for s in logs if s.strip()), "")[-1500:]
+            return {"world": world, "error": f"rc {[p.returncode for p in procs]}: {tail}"}
+        return json.loads(out.read_text())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        remove(workdir)
+        out.unlink(missing_ok=True)
+
+
 def bench_parser(doc: str, json_name: str, size_mib: int = 1024, count: tuple[str, int] = ("--n-small", 20000)):
     """The options every benchmark script shares: --quick, sizes, --repeat, --dir, --json."""
     import argparse

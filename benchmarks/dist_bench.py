@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (bench_parser, MiB, default_dir, drop_page_cache, free_port, large_rows,  # noqa: E402
+from common import (bench_parser, MiB, default_dir, drop_page_cache, large_rows, launch_ranks,  # noqa: E402
                     raw_src_buffer, read_into, remove, summary, write_fsync)
 
 OPS = ["raw write+fsync", "raw read", "safeckpt.save", "safeckpt.load (in place)", "dcp.save",
@@ -155,42 +154,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_world(world: int, size_mib: int, n_large: int, repeat: int, workdir: Path, timeout: float) -> dict:
-    port = free_port()
-    out = workdir / f"dist-{world}.json"
-    d = workdir / f"dist-{world}"
-    d.mkdir()
-    env = dict(os.environ)
-    if world > 1:
-        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for several processes per node
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", "--world", str(world), "--port", str(port),
-           "--size-mib", str(size_mib), "--n-large", str(n_large), "--repeat", str(repeat), "--dir", str(d),
-           "--out", str(out)]
-    procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for r in range(world)]
-    deadline = time.monotonic() + timeout
-    logs = []
-    try:
-        for p in procs:
-            left = max(1.0, deadline - time.monotonic())
-            try:
-                so, se = p.communicate(timeout=left)
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    if q.poll() is None:
-                        q.kill()
-                return {"world": world, "error": f"timed out after {timeout:.0f}s"}
-            logs.append(se)
-        if any(p.returncode for p in procs) or not out.exists():
-            tail = next((s for s in logs if s.strip()), "")[-1500:]
-            return {"world": world, "error": f"rc {[p.returncode for p in procs]}: {tail}"}
-        return json.loads(out.read_text())
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        remove(d)
-        out.unlink(missing_ok=True)
+    args = ["--size-mib", str(size_mib), "--n-large", str(n_large), "--repeat", str(repeat)]
+    return launch_ranks(Path(__file__).resolve(), world, args, workdir / f"dist-{world}", timeout)
 
 
 def run_dist(worlds: list[int], size_mib: int, n_large: int, repeat: int, workdir: Path,

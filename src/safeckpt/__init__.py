@@ -5,7 +5,7 @@ from .asyncsave import SaveFuture, async_save
 from .checkpoint import CheckpointInfo, VerifyReport, load, load_state, save, verify
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
                      CorruptCheckpointError, SaveAbortedError, StateMismatchError, StorageError,
-                     UnsafeObjectError, UnsupportedFormatError)
+                     UnsafeObjectError, UnsupportedFeatureError, UnsupportedFormatError)
 from .manager import CheckpointManager
 from .seal import seal
 from .shards import RankLocal, Shard
@@ -15,5 +15,5 @@ __all__ = [
     "VerifyReport", "SaveFuture", "Shard", "RankLocal", "UnsupportedFormatError", "seal",
     "CheckpointManager", "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError",
     "CorruptCheckpointError", "SaveAbortedError", "StateMismatchError", "StorageError",
-    "UnsafeObjectError",
+    "UnsafeObjectError", "UnsupportedFeatureError",
 ]

@@ -370,13 +370,14 @@ def _agree_or_undo(group: Any, error: BaseException | None, what: str, planner: 
 
 @gc_paused
 def load_state(path: PathLike, *, verify: bool = True, storage_options: dict | None = None,
-               allow_pickle: bool = False) -> dict:
+               allow_pickle: bool = False, keys: "list | None" = None) -> dict:
     """The saved state as a new nested dict of full CPU tensors and values (rank-local
-    values come back as a list indexed by rank)."""
+    values come back as a list indexed by rank); ``keys``: only those top-level keys."""
     storage = open_storage(path, **(storage_options or {}))
     manifest = read_committed(storage)
     planner = LoadPlanner(manifest.tensors, True, allow_pickle)
-    build = planner.plan(None, manifest.tree)
+    tree = manifest.tree if keys is None else _only(manifest.tree, list(keys), storage.url)
+    build = planner.plan(None, tree)
     if planner.problems:
         raise CorruptCheckpointError(f"{storage.url}: " + "; ".join(planner.problems))
     TensorReader(storage, manifest, verify).run(planner.reads)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .checksum import BLOCK_SIZE, checksum
-from .datafile import WrittenPiece, plan_layout, stream
+from .datafile import WrittenPiece, plan_layout, write_data_file
 from .incremental import ChunkDigest, Source, Stored, chunk_key, digest_pieces, plan_reuse, reuse_index
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError,
                      UnsupportedFormatError)
@@ -171,16 +171,7 @@ class SaveRun:
         per_rank = assign_writes([i.pieces for i in intents])
         _check_shards(intents)
         self.old, max_seq = self.existing(self.storage)
-        if max_seq and not (self.overwrite(self.old) if callable(self.overwrite) else self.overwrite):
-            if self.old is not None:
-                raise CheckpointExistsError(
-                    f"a committed checkpoint exists at {self.storage.url} (step {self.old.step}); pass "
-                    "overwrite=True to replace it atomically, or save to another path")
-            # never replaced unasked: it may be the commit of a save that is running right now
-            raise CheckpointExistsError(
-                f"{self.storage.url} holds a manifest that is not valid: left by a save that crashed "
-                "while writing it, or being written right now by another save; pass overwrite=True "
-                "to replace it")
+        refuse_existing(self.storage, self.old, max_seq, self.overwrite)
         if self.chunk_size is not None and self.base is not None:
             self.index = reuse_index(self.base(), self.chunk_size)
         save_id, seq = self.new_save_id(), max_seq + 1
@@ -225,11 +216,7 @@ class SaveRun:
                 known = [[self.own[i][0].digest] for i in mine.chunks]
             layout = plan_layout(items, {"format": "pt", "safeckpt_save_id": mine.save_id})
             written: list[WrittenPiece] = []
-            parts = stream(layout, written, known)
-            try:
-                size = self.storage.write_file(name, parts)
-            finally:  # a failed write leaves the stream suspended: stop its hashing thread now
-                parts.close()
+            size = write_data_file(self.storage, name, layout, written, known)
             entry = FileEntry(name, size, rank=self.group.rank, header_size=len(layout.header),
                               header_checksum=checksum(layout.header))
             return Report(entry, written)
@@ -324,46 +311,18 @@ class SaveRun:
                     "writes every chunk it cannot share")
 
     def _check_visible(self, reports: list[Report]) -> None:
-        """Rank 0 must see every rank's file, or the checkpoint could never be loaded."""
-        deadline = time.monotonic() + VISIBILITY_WAIT_S
-        while True:
-            listing = self.storage.listdir()
-            missing = [(r, rep.file) for r, rep in enumerate(reports)
-                       if rep.file is not None and listing.get(rep.file.name) != rep.file.size]
-            if not missing or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)  # network filesystems may show a new file late
-        if missing:
-            named = ", ".join(f"rank {r}: {f.name}" for r, f in missing)
-            raise SaveAbortedError(
-                f"rank 0 cannot see files other ranks wrote to {self.storage.url} ({named}): the "
-                "storage is not shared between the ranks (node-local disks?); save to a shared "
-                "filesystem or an object store")
+        check_visible(self.storage, [(r, rep.file) for r, rep in enumerate(reports) if rep.file is not None])
 
     def _write_manifest(self, manifest: Manifest) -> None:
-        write_manifest(self.storage, manifest, "save")
+        write_manifest(self.storage, manifest)
         self.committed = True
 
     def _retire_old(self, manifest: Manifest) -> None:
-        if self.old is None:
-            return
-        from .checkpoint import retire  # the deletion order lives with the checkpoint
-        from .garbage import shared_by_siblings
-
-        try:
-            # an incremental checkpoint's files may be read by later ones: spare those
-            spare = shared_by_siblings(self.storage) if self.old.version >= 2 else set()
-            retire(self.storage, keep=manifest, spare=spare)
-        except OSError as exc:  # committed; leftovers are garbage for gc, not an error
-            warnings.warn(f"saved {self.storage.url}, but removing the replaced version failed: {exc}",
-                          stacklevel=4)
+        retire_replaced(self.storage, self.old, manifest)
 
     # -- failure ---------------------------------------------------------------------
     def _remove(self, name: str) -> None:
-        try:
-            self.storage.delete([name])
-        except OSError:
-            pass
+        remove_quietly(self.storage, [name])
 
     def _raise(self, message: str, errors: dict[int, str], exists: bool) -> None:
         if exists:
@@ -372,6 +331,66 @@ class SaveRun:
             raise self.local_error
         cause = self.local_error
         raise SaveAbortedError(message, errors) from cause
+
+
+def refuse_existing(storage: Storage, old: Manifest | None, max_seq: int,
+                    overwrite: "bool | Callable[[Manifest | None], bool]") -> None:
+    """Raise ``CheckpointExistsError`` unless a save may go ahead in a folder whose
+    committed manifest is ``old`` and whose highest manifest number is ``max_seq``.
+    A manifest that is not valid is never replaced unasked: it may be the commit of a
+    save that is running right now (``overwrite``, a bool or a function of ``old``)."""
+    if not max_seq or (overwrite(old) if callable(overwrite) else overwrite):
+        return
+    if old is not None:
+        step = "" if old.step is None else f" (step {old.step})"
+        raise CheckpointExistsError(
+            f"a committed checkpoint exists at {storage.url}{step}; pass overwrite=True to replace it "
+            "atomically, or save to another path")
+    raise CheckpointExistsError(
+        f"{storage.url} holds a manifest that is not valid: left by a save that crashed while writing "
+        "it, or being written right now by another save; pass overwrite=True to replace it")
+
+
+def check_visible(storage: Storage, files: list[tuple[int, FileEntry]]) -> None:
+    """Rank 0 must see every rank's file (``(rank, entry)``), or the checkpoint could
+    never be loaded."""
+    deadline = time.monotonic() + VISIBILITY_WAIT_S
+    while True:
+        listing = storage.listdir()
+        missing = [(r, f) for r, f in files if listing.get(f.name) != f.size]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)  # network filesystems may show a new file late
+    if missing:
+        named = ", ".join(f"rank {r}: {f.name}" for r, f in missing)
+        raise SaveAbortedError(
+            f"rank 0 cannot see files other ranks wrote to {storage.url} ({named}): the "
+            "storage is not shared between the ranks (node-local disks?); save to a shared "
+            "filesystem or an object store")
+
+
+def retire_replaced(storage: Storage, old: Manifest | None, manifest: Manifest) -> None:
+    """After a commit over ``old``: delete its manifest, then the data only it used."""
+    if old is None:
+        return
+    from .checkpoint import retire  # the deletion order lives with the checkpoint
+    from .garbage import shared_by_siblings
+
+    try:
+        # an incremental checkpoint's files may be read by later ones: spare those
+        spare = shared_by_siblings(storage) if old.version >= 2 else set()
+        retire(storage, keep=manifest, spare=spare)
+    except OSError as exc:  # committed; leftovers are garbage for gc, not an error
+        warnings.warn(f"saved {storage.url}, but removing the replaced version failed: {exc}",
+                      stacklevel=4)
+
+
+def remove_quietly(storage: Storage, names: list[str]) -> None:
+    """Best-effort removal of a failed save's files (what is left is garbage for gc)."""
+    try:
+        storage.delete(names)
+    except OSError:
+        pass
 
 
 def _summary(url: str, errors: dict[int, str]) -> str:
@@ -422,9 +441,10 @@ def merge_trees(trees: list[Any], key: str = "", has_local: bool = True) -> Any:
         "differ per rank must be wrapped in safeckpt.RankLocal (they are then saved per rank)")
 
 
-def write_manifest(storage: Storage, manifest: Manifest, what: str) -> None:
-    """Publish the commit record: whole or not at all, and never over another one (two
-    writers of one folder: exactly one commits each sequence number)."""
+def write_manifest(storage: Storage, manifest: Manifest, what: str = "save") -> None:
+    """The commit: write the manifest, the last file of a save, never over another one
+    (two writers of one folder: exactly one commits each sequence number). On return it
+    is durable."""
     name = manifest_name(manifest.seq)
     try:
         storage.write_file(name, [encode_manifest(manifest)])
@@ -437,10 +457,7 @@ def write_manifest(storage: Storage, manifest: Manifest, what: str) -> None:
             f"another writer committed {name} in {storage.url} while this {what} was running; two "
             "writers are using one checkpoint path (its checkpoint stays as that writer left it)") from exc
     except BaseException:  # it may be complete on disk even though its fsync failed
-        try:
-            storage.delete([name])
-        except OSError:
-            pass
+        remove_quietly(storage, [name])
         raise
 
 

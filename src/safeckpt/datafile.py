@@ -12,12 +12,15 @@ import json
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from .checksum import block_checksums
 from .tensors import SAFETENSORS_DTYPES, byte_view, nbytes_of, to_storable
+
+if TYPE_CHECKING:
+    from .storage import Storage
 
 COALESCE_BELOW = 1 << 20  # pieces smaller than this are gathered into one write
 COALESCE_BUFFER = 8 << 20
@@ -81,6 +84,18 @@ def stream(layout: DataFileLayout, written: list[WrittenPiece],
         yield from _pieces(layout, written, hasher, hashing, known)
         for piece, future in hashing:
             piece.checksums = future.result()
+
+
+def write_data_file(storage: "Storage", name: str, layout: DataFileLayout, written: list[WrittenPiece],
+                    known: list[list[str]] | None = None) -> int:
+    """Write a data file (see ``stream``) and return its size. A failed write leaves the
+    stream suspended: it is closed here, so its hashing thread stops before this returns
+    (left to the garbage collector, it was once closed inside another thread's start)."""
+    parts = stream(layout, written, known)
+    try:
+        return storage.write_file(name, parts)
+    finally:
+        parts.close()
 
 
 def _pieces(layout: DataFileLayout, written: list[WrittenPiece], hasher: ThreadPoolExecutor,

@@ -43,6 +43,12 @@ class UnsafeObjectError(CheckpointError, TypeError):
     """A value cannot be stored or loaded without executing code (pickle)."""
 
 
+class UnsupportedFeatureError(CheckpointError, NotImplementedError):
+    """A feature of another library that safeckpt cannot honour exactly (for example a
+    torch.distributed.checkpoint planner that transforms non-tensor data), refused
+    before anything is written rather than saved differently."""
+
+
 class SaveAbortedError(CheckpointError, RuntimeError):
     """A save failed on one or more ranks and was aborted everywhere; nothing was committed.
 

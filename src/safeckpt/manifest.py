@@ -111,6 +111,18 @@ class TensorEntry:
 
 
 @dataclass
+class DcpRecord:
+    """How a torch.distributed.checkpoint save named its items: every flat key (DCP's
+    fully qualified name) and its path in ``tree``; ``planner_data`` says whether the
+    planner flattened a nested state (the paths are then DCP's ``planner_data``);
+    ``bytesio`` lists the values that were ``io.BytesIO`` (stored as ``$bytes``)."""
+
+    items: dict[str, list[str | int]]
+    planner_data: bool = True
+    bytesio: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Manifest:
     """The decoded body of a manifest."""
 
@@ -127,6 +139,7 @@ class Manifest:
     block_size: int = BLOCK_SIZE
     run_id: str | None = None  # the CheckpointManager run that wrote it (retention scope)
     version: int = 1  # 2 only where needed, so older safeckpt versions read the rest
+    dcp: DcpRecord | None = None  # written by safeckpt.dcp.Writer
 
     @property
     def total_bytes(self) -> int:
@@ -165,6 +178,8 @@ def encode_manifest(m: Manifest) -> bytes:
                     for name, t in m.tensors.items()},
         "tree": m.tree,
     }
+    if m.dcp is not None:
+        body["dcp"] = {"items": m.dcp.items, "planner_data": m.dcp.planner_data, "bytesio": m.dcp.bytesio}
     raw = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
     return _PREFIX + raw + f',"checksum":"{checksum(raw)}"}}\n'.encode()
 
@@ -283,7 +298,18 @@ def _decode_body(body: dict, where: str) -> Manifest:
         save_id=body["save_id"], seq=body["seq"], created=float(body["created"]), world_size=world,
         files=files, tensors=tensors, tree=body["tree"], step=step, block_size=block, run_id=run_id,
         metadata=decode_values(body.get("metadata") or {}, "metadata"),
-        metrics=decode_values(body.get("metrics") or {}, "metrics"), version=body["format_version"])
+        metrics=decode_values(body.get("metrics") or {}, "metrics"), version=body["format_version"],
+        dcp=_decode_dcp(body["dcp"], where) if body.get("dcp") is not None else None)
+
+
+def _decode_dcp(raw: Any, where: str) -> DcpRecord:
+    record = DcpRecord(**_known(DcpRecord, raw, where))
+    _need(isinstance(record.items, dict) and type(record.planner_data) is bool and isinstance(record.bytesio, list)
+          and all(n in record.items for n in record.bytesio), where, "malformed dcp record")
+    for fqn, path in record.items.items():
+        _need(isinstance(path, list) and path and all(type(p) is str or _is_int(p) for p in path), where,
+              f"dcp item {fqn!r}: bad path {path!r}")
+    return record
 
 
 def decode_values(node: Any, what: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Pieces of larger tensors, and values that belong to one rank.
 
 ``Shard`` is an explicit piece of a global tensor (tensor parallel, SMP partial,
-Megatron); a ``DTensor`` is turned into the same description. ``RankLocal`` marks a
+Megatron); a ``DTensor`` (or FSDP1's ``ShardedTensor``) is turned into the same
+description. ``RankLocal`` marks a
 value that each rank saves and restores for itself (its RNG state, its data position).
 """
 
@@ -65,3 +66,19 @@ def dtensor_box(t: Any) -> tuple[torch.Tensor, list[int], list[int]]:
     if list(local.shape) != list(shape):  # padded uneven shards
         local = local[tuple(slice(0, s) for s in shape)]
     return local, list(t.shape), list(offsets)
+
+
+def is_sharded_tensor(t: Any) -> bool:
+    return type(t).__name__ == "ShardedTensor" and hasattr(t, "local_shards")
+
+
+def sharded_tensor_box(t: Any) -> tuple[torch.Tensor, list[int], list[int]] | None:
+    """(local tensor, global shape, offsets) of a ShardedTensor's one local shard (FSDP1's
+    sharded state dicts hold one per rank), or None for a rank that holds none."""
+    shards = t.local_shards()
+    if not shards:
+        return None
+    if len(shards) > 1:
+        raise ValueError(f"a ShardedTensor with {len(shards)} local shards on one rank is not supported "
+                         "(one per rank, as FSDP makes them); wrap each piece in safeckpt.Shard")
+    return shards[0].tensor, list(t.size()), list(shards[0].metadata.shard_offsets)

@@ -20,7 +20,7 @@ from . import codec
 from .errors import StateMismatchError, UnsafeObjectError
 from .manifest import TensorEntry
 from .plan import Box, PieceInfo
-from .shards import RankLocal, Shard, dtensor_box, is_dtensor
+from .shards import RankLocal, Shard, dtensor_box, is_dtensor, is_sharded_tensor, sharded_tensor_box
 from .tensors import dtype_from_name, dtype_name, is_storable, to_storable
 
 
@@ -99,13 +99,18 @@ def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState
             inner = codec.encode(value.value, key, on_local_tensor,
                                  lambda k, v: on_object(k, v, True), allow_pickle)
             return codec.Encoded({"$local": inner})
-        if isinstance(value, Shard) or is_dtensor(value):
+        if isinstance(value, Shard) or is_dtensor(value) or is_sharded_tensor(value):
             if local:
                 raise UnsafeObjectError(f"{key}: a Shard or DTensor cannot be inside RankLocal")
             if isinstance(value, Shard):
                 t, shape, offsets = value.local_tensor, list(value.global_shape), list(value.offsets)
-            else:
+            elif is_dtensor(value):
                 t, shape, offsets = dtensor_box(value)
+            else:
+                box = sharded_tensor_box(value)
+                if box is None:  # this rank holds no part of it
+                    return codec.Encoded({"$tensor": key})
+                t, shape, offsets = box
             return codec.Encoded(add(key, t, "shard", shape, offsets))
         return value.state_dict() if is_stateful(value) else value
 
@@ -134,6 +139,12 @@ def _target_box(target: Any) -> tuple[torch.Tensor, list[int], Box] | None:
         return t, list(target.global_shape), (tuple(target.offsets), tuple(t.shape))
     if is_dtensor(target):
         t, shape, offsets = dtensor_box(target)
+        return t, shape, (tuple(offsets), tuple(t.shape))
+    if is_sharded_tensor(target):
+        box = sharded_tensor_box(target)
+        if box is None:  # nothing of it on this rank: an empty box
+            return None
+        t, shape, offsets = box
         return t, shape, (tuple(offsets), tuple(t.shape))
     if isinstance(target, torch.Tensor):
         return target, list(target.shape), ((0,) * target.dim(), tuple(target.shape))
@@ -168,6 +179,8 @@ class LoadPlanner:
         boxed = _target_box(target)
         if boxed is not None:
             return self._plan_tensor_into(target, boxed, node, key, mode)
+        if is_sharded_tensor(target) and tag == "$tensor":
+            return lambda: target  # a ShardedTensor with no shard on this rank: nothing to read
         if tag == "$tensor":
             if isinstance(target, (dict, list, tuple)):
                 self.problems.append(f"{key or '<root>'}: the state has a {type(target).__name__}, the checkpoint a tensor")

@@ -17,6 +17,10 @@ states. Unlike ``Accelerator.save_state(total_limit=...)``, which deletes old
 checkpoints *before* writing the new one, retention runs only after the new one is
 committed, and restoring falls back past a torn or corrupt newest checkpoint.
 
+Models sharded with FSDP (FSDP2 ``fully_shard`` or FSDP1) are saved as their sharded
+state dicts, with their optimizers' (see ``_fsdp``): every process writes only its
+shards, and the checkpoint loads on another number of processes.
+
 Every process calls both functions (they are collective under torch.distributed).
 One ``CheckpointManager`` is kept per accelerator and root; the retention options
 (``keep_last``, ``keep_best``, ``best_metric``, ``keep_every``, ``async_save``...) apply
@@ -47,12 +51,13 @@ from ..manager import CheckpointManager
 from ..retention import Retention
 from ..shards import RankLocal
 from ..storage import Storage
+from ._fsdp import ShardedModel, ShardedOptimizer, is_fsdp, owner
 
 __all__ = ["checkpoint_manager", "load_state", "rng_states", "save_state", "set_rng_states"]
 
 _MANAGERS: weakref.WeakKeyDictionary[Any, dict[str, CheckpointManager]] = weakref.WeakKeyDictionary()
-_UNSUPPORTED = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.FSDP: "FSDP",
-                DistributedType.MEGATRON_LM: "Megatron-LM", DistributedType.XLA: "torch_xla"}
+_UNSUPPORTED = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.MEGATRON_LM: "Megatron-LM",
+                DistributedType.XLA: "torch_xla"}
 
 
 _RETENTION = ("keep_last", "keep_best", "best_metric", "best_mode", "keep_every")
@@ -128,9 +133,15 @@ def _unwrap(accelerator: Any, model: Any) -> Any:
 
 
 def _state(accelerator: Any, rng: Any) -> dict:
+    sharded = [m for m in accelerator._models if is_fsdp(m)]
+
+    def optimizer(opt: Any) -> Any:
+        model = owner(sharded, opt) if sharded else None
+        return opt if model is None else ShardedOptimizer(model, opt)
+
     state = {
-        "models": [_unwrap(accelerator, m) for m in accelerator._models],
-        "optimizers": list(accelerator._optimizers),
+        "models": [ShardedModel(m) if is_fsdp(m) else _unwrap(accelerator, m) for m in accelerator._models],
+        "optimizers": [optimizer(o) for o in accelerator._optimizers],
         "schedulers": list(accelerator._schedulers),
         "custom_objects": list(accelerator._custom_objects),
         "dataloaders": [dl for dl in accelerator._dataloaders if getattr(dl, "use_stateful_dataloader", False)],

@@ -18,11 +18,19 @@ becomes a safeckpt checkpoint *folder* at that path, on any URL safeckpt can ope
 - with ``async_save=True`` a save returns once the tensors are copied to host memory
   and commits in the background; a removal or load waits for it first.
 
+Lightning's sharded strategies write their checkpoints themselves through
+torch.distributed.checkpoint and never call a ``CheckpointIO``. For them,
+``SafeModelParallelStrategy`` and ``SafeFSDPStrategy`` (drop-ins for
+``ModelParallelStrategy`` and ``FSDPStrategy(state_dict_type="sharded")``, same
+arguments) save and load sharded checkpoints through ``safeckpt.dcp``: every rank writes
+its shards, rank 0 commits one manifest that also holds what Lightning keeps in
+``meta.pt`` (epoch, loops, callbacks, hyper-parameters), so ``ModelCheckpoint``'s
+rotation (which runs after the save returns) never deletes a checkpoint before its
+replacement is committed, and ``fit(ckpt_path="last")`` resumes from a committed one.
+
 Only ``lightning.pytorch`` (the ``lightning`` package) is supported: the classes of the
-separate ``pytorch_lightning`` package are different objects. Lightning's sharded
-strategies (FSDP with ``state_dict_type="sharded"``, DeepSpeed, ModelParallel) write
-their checkpoints themselves and never call a ``CheckpointIO``; see
-docs/integrations.md.
+separate ``pytorch_lightning`` package are different objects. DeepSpeed's checkpoints
+are not covered; see docs/integrations.md.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import torch
 try:
     import lightning
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
     from lightning.fabric.utilities.cloud_io import get_filesystem
     from lightning_utilities.core.apply_func import apply_to_collection
 except ImportError as _exc:  # pragma: no cover - depends on the environment
@@ -48,14 +57,17 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 
 from ..asyncsave import AsyncSaver
 from ..checkpoint import CheckpointInfo, gc_paused, load_state, retire, save_request
+from ..commit import DATA_RE
 from ..errors import UnsafeObjectError
+from ..manifest import manifest_seq
 from ..garbage import garbage_in
 from ..group import SingleGroup
 from ..state import is_stateful
 from ..storage import Storage
 from ..storage import open as open_storage
 
-__all__ = ["SafeCheckpointIO", "load_from_checkpoint", "remove_interrupted_saves"]
+__all__ = ["SafeCheckpointIO", "SafeModelParallelStrategy", "SafeFSDPStrategy", "load_from_checkpoint",
+           "remove_interrupted_saves"]
 
 log = logging.getLogger("safeckpt")
 
@@ -204,6 +216,131 @@ class SafeCheckpointIO(CheckpointIO):
             raise TypeError(f"SafeCheckpointIO: storage_options must be a dict of fsspec options, "
                             f"not {type(per_call).__name__}")
         return {**self.storage_options, **(per_call or {})}
+
+
+class _SafeShardedCheckpoints:
+    """Sharded save, load and removal of a Lightning strategy through ``safeckpt.dcp``
+    (mixed into a subclass of the strategy; the full-state-dict path is Lightning's)."""
+
+    _MODEL_KEY = "state_dict"  # the key Lightning saves the module's state under
+    _META_KEY = "meta"         # what Lightning keeps in meta.pt, saved in the same commit
+
+    def _sharded(self) -> bool:
+        raise NotImplementedError
+
+    def _storage(self, path: str) -> Storage:
+        """The storage of the checkpoint at ``path`` (a subclass may wrap it)."""
+        return open_storage(path)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if not self._sharded():
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
+        import torch.distributed.checkpoint as dcp
+
+        from ..dcp import Writer
+
+        path = str(self.broadcast(str(filepath)))  # every rank saves to rank 0's path
+        state = {self._MODEL_KEY: checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        if self.is_global_zero:
+            _refuse_stateful(checkpoint, path)
+            if "://" not in path and os.path.isfile(path):  # a plain torch checkpoint was saved here before
+                os.unlink(path)
+        dcp.save(state, storage_writer=Writer(self._storage(path), step=_step(checkpoint),
+                                              metadata=_metadata(checkpoint), extra={self._META_KEY: checkpoint}))
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = str(self.broadcast(str(checkpoint_path)))
+        if not _is_safeckpt_folder(path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        self._load_sharded(path)
+        return load_state(self._storage(path), keys=[self._META_KEY])[self._META_KEY]
+
+    def _load_sharded(self, path: str) -> None:
+        """Load the module's (and, when fitting, the optimizers') shards in place."""
+        raise NotImplementedError
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            if _is_safeckpt_folder(str(filepath)):
+                SafeCheckpointIO().remove_checkpoint(self._storage(str(filepath)))
+            else:
+                super().remove_checkpoint(filepath)
+
+    def _fitting(self) -> bool:
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        return self.lightning_module.trainer.state.fn == TrainerFn.FITTING and bool(self.optimizers)
+
+
+class SafeModelParallelStrategy(_SafeShardedCheckpoints, ModelParallelStrategy):
+    """``ModelParallelStrategy`` (FSDP2 / tensor parallel) whose distributed checkpoints
+    are safeckpt checkpoints (see the module docstring); same arguments."""
+
+    def _sharded(self) -> bool:
+        return self._save_distributed_checkpoint
+
+    def _load_sharded(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, set_optimizer_state_dict)
+
+        from ..dcp import Reader
+
+        state = {self._MODEL_KEY: get_model_state_dict(self.model)}
+        dcp.load(state, storage_reader=Reader(self._storage(path)))
+        self.model.load_state_dict(state[self._MODEL_KEY], strict=self.lightning_module.strict_loading)
+        if not self._fitting():
+            return
+        for idx, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{idx}"
+            state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            dcp.load(state, storage_reader=Reader(self._storage(path)))
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[key],
+                                     options=StateDictOptions(cpu_offload=True))
+
+
+class SafeFSDPStrategy(_SafeShardedCheckpoints, FSDPStrategy):
+    """``FSDPStrategy`` whose ``state_dict_type="sharded"`` checkpoints are safeckpt
+    checkpoints (see the module docstring); same arguments."""
+
+    _MODEL_KEY = "model"
+
+    def _sharded(self) -> bool:
+        return self._state_dict_type == "sharded"
+
+    def _load_sharded(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context
+        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        from ..dcp import Reader
+
+        with _get_sharded_state_dict_context(self.model):
+            state = {self._MODEL_KEY: self.model.state_dict()}
+            dcp.load(state, storage_reader=Reader(self._storage(path)))
+            self.model.load_state_dict(state[self._MODEL_KEY], strict=self.lightning_module.strict_loading)
+            if not self._fitting():
+                return
+            for idx, optimizer in enumerate(self.optimizers):
+                key = f"optimizer_{idx}"
+                optim_state = load_sharded_optimizer_state_dict(
+                    model_state_dict=state[self._MODEL_KEY], optimizer_key=key,
+                    storage_reader=Reader(self._storage(path)))
+                optimizer.load_state_dict(FSDP.optim_state_dict_to_load(
+                    optim_state_dict=optim_state[key], model=self.model, optim=optimizer))
+
+
+def _is_safeckpt_folder(path: str) -> bool:
+    """A folder safeckpt wrote into (committed or not): it holds a manifest or a data file."""
+    try:
+        names = open_storage(path).listdir()
+    except Exception:  # noqa: BLE001 - a file, or nothing: not ours
+        return False
+    return any(manifest_seq(n) is not None or DATA_RE.fullmatch(n) for n in names)
 
 
 @gc_paused

@@ -54,6 +54,7 @@ from ..reader import TensorReader
 from ..seal import seal
 from ..shards import RankLocal
 from ..storage import open as open_storage
+from ._fsdp import ShardedModel, ShardedOptimizer, is_fsdp
 
 __all__ = [
     "SUPPORTED_TRANSFORMERS",
@@ -340,14 +341,15 @@ class SafeTrainerMixin:
     (model, optimizer, scheduler, scaler, per-rank RNG states and the trainer state,
     no pickles) plus ``trainer_state.json``, sealed together. Resuming accepts these and
     ordinary Trainer checkpoints; ``train(resume_from_checkpoint=True)`` resumes from
-    ``last_checkpoint(output_dir)``. DeepSpeed, FSDP, XLA and SageMaker MP are refused."""
+    ``last_checkpoint(output_dir)``. With FSDP (FSDP2 or FSDP1) the model and optimizer
+    are saved as their sharded state dicts, each process writing its shards, and load on
+    another number of processes. DeepSpeed, XLA and SageMaker MP are refused."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_transformers_version()
         super().__init__(*args, **kwargs)
         unsupported = [name for name, on in (
             ("DeepSpeed", getattr(self, "is_deepspeed_enabled", False)),
-            ("FSDP", getattr(self, "is_fsdp_enabled", False)),
             ("torch_xla", _xla()), ("SageMaker model parallel", _sagemaker_mp())) if on]
         if unsupported:
             raise NotImplementedError(
@@ -359,10 +361,18 @@ class SafeTrainerMixin:
         self._safeckpt_limit = take_over_rotation(self.args)
 
     # -- saving --------------------------------------------------------------------------
+    def _safeckpt_model(self, model: Any = None) -> Any:
+        """The model as saved and loaded: an FSDP model as its sharded state dict."""
+        model = self.model if model is None else model
+        return ShardedModel(model) if is_fsdp(model) else model
+
+    def _safeckpt_optimizer(self) -> Any:
+        return ShardedOptimizer(self.model, self.optimizer) if is_fsdp(self.model) else self.optimizer
+
     def _safeckpt_state(self) -> dict:
-        state: dict = {"model": self.model}
+        state: dict = {"model": self._safeckpt_model()}
         if not self.args.save_only_model:
-            state["optimizer"] = self.optimizer
+            state["optimizer"] = self._safeckpt_optimizer()
             state["scheduler"] = self.lr_scheduler
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:
@@ -423,13 +433,14 @@ class SafeTrainerMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if _safe_manifest(resume_from_checkpoint) is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        load_keys({"model": model if model is not None else self.model}, resume_from_checkpoint)
+        load_keys({"model": self._safeckpt_model(model)}, resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         m = _safe_manifest(checkpoint)
         if m is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        targets = {"optimizer": self.optimizer, "scheduler": self.lr_scheduler,
+        targets = {"optimizer": self._safeckpt_optimizer() if self.optimizer is not None else None,
+                   "scheduler": self.lr_scheduler,
                    "scaler": getattr(self.accelerator, "scaler", None)}
         parts = {k: v for k, v in targets.items() if v is not None and k in m.tree}
         if parts:
@@ -466,7 +477,7 @@ class SafeTrainerMixin:
         if _safe_manifest(self.state.best_model_checkpoint) is None:
             return super()._load_best_model()
         log.info("loading best model from %s (score: %s)", self.state.best_model_checkpoint, self.state.best_metric)
-        load_keys({"model": self.model}, self.state.best_model_checkpoint)
+        load_keys({"model": self._safeckpt_model()}, self.state.best_model_checkpoint)
 
 
 def _xla() -> bool:

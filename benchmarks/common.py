@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import argparse
 import os
 import platform
 import shutil
@@ -531,6 +532,15 @@ def preflight(base, need_bytes: float) -> bool:
         print(f"WARNING: load average {load:.1f} on {os.cpu_count()} CPUs: other work will "
               "skew the timings", file=sys.stderr)
     return True
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    """The hidden options ``launch_ranks`` passes to each rank's process."""
+    p.add_argument("--_worker", dest="worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
 
 
 def launch_ranks(script: Path, world: int, args: list[str], workdir: Path, timeout: float) -> dict:

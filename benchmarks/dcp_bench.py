@@ -31,7 +31,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (MiB, bench_parser, default_dir, drop_page_cache, flatten, large_rows,  # noqa: E402
+from common import (MiB, add_worker_args, bench_parser, default_dir, drop_page_cache, flatten, large_rows,  # noqa: E402
                     launch_ranks, make_small_state, remove, summary)
 
 LAYERS = ("FileSystem", "safeckpt.dcp")
@@ -166,11 +166,7 @@ def main() -> int:
     p = bench_parser(__doc__, "dcp.json")
     p.add_argument("--n-large", type=int, default=50)
     p.add_argument("--ranks", default="1,2")
-    p.add_argument("--_worker", dest="worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    add_worker_args(p)
     args = p.parse_args()
     if args.worker:
         worker(args)

@@ -30,7 +30,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (bench_parser, MiB, default_dir, drop_page_cache, large_rows, launch_ranks,  # noqa: E402
+from common import (add_worker_args, bench_parser, MiB, default_dir, drop_page_cache, large_rows, launch_ranks,  # noqa: E402
                     raw_src_buffer, read_into, remove, summary, write_fsync)
 
 OPS = ["raw write+fsync", "raw read", "safeckpt.save", "safeckpt.load (in place)", "dcp.save",
@@ -196,11 +196,7 @@ def dist_table(res: dict) -> str:
 def main() -> int:
     p = bench_parser(__doc__, "dist.json", count=("--n-large", 50))
     p.add_argument("--ranks", default="1,2,4")
-    p.add_argument("--_worker", dest="worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    add_worker_args(p)
     args = p.parse_args()
     if args.worker:
         worker(args)

@@ -1,8 +1,9 @@
-"""Object stores and other fsspec filesystems (``s3://``, ``gs://``, ``az://``, ``memory://``, ...).
+"""Object stores and other fsspec filesystems (``gs://``, ``az://``, ``memory://``, ...).
 
-Nothing here renames: every file is one object written once under its final name. On
-S3 (s3fs) the S3 API is called directly so that each guarantee is explicit rather than
-left to s3fs's file layer:
+Nothing here renames: every file is one object written once under its final name,
+with fsspec's ``"xb"`` mode where the backend accepts it. S3 has a class of its own
+(``s3.S3Storage``) that calls the S3 API directly, so that each guarantee is explicit
+rather than left to s3fs's file layer:
 
 - every create is conditional (``If-None-Match: *``), zero-byte files included (s3fs's
   ``"xb"`` mode skips the condition for them and silently overwrites);
@@ -18,21 +19,17 @@ left to s3fs's file layer:
   another writer do not count);
 - listings bypass s3fs's listing cache, so another writer's files are never invisible.
 
-Other fsspec filesystems use fsspec's ``"xb"`` mode where the backend accepts it.
+The error translation (``object_store_error``) is shared by both.
 """
 
 from __future__ import annotations
 
 import errno
-import itertools
-import secrets
-import threading
-import time
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 from ..errors import StorageError
 from .base import Buffer, Storage
+from .registry import url_scheme
 
 try:
     import fsspec
@@ -125,11 +122,24 @@ def object_store_error(exc: BaseException, action: str, where: str, endpoint: st
 
 
 class FsspecStorage(Storage):
-    """A folder (key prefix) on any fsspec filesystem; S3 gets a direct, conditional path."""
+    """A folder (key prefix) on any fsspec filesystem (``S3Storage`` for ``s3://``,
+    which constructing this class with an S3 URL or filesystem gives too)."""
 
     atomic_write = True  # an object appears whole, on the completion of its PUT
     merge_reads_below = 32 << 20  # a ranged GET costs a round trip: fetch neighbours together
-    exclusive_create = True  # S3: If-None-Match; others: fsspec "xb" (see ``__init__``)
+    # fsspec's "xb" is at best check-then-create (memory://) or unverified (gcsfs, adlfs):
+    # a create is refused when the name exists, but two racing writers are not provably
+    # kept apart
+    exclusive_create = False
+
+    def __new__(cls, url: str | None = None, *, fs: Any = None, **kwargs: Any) -> "FsspecStorage":
+        if cls is FsspecStorage:
+            protocol = fs.protocol if fs is not None else url_scheme(url or "")
+            protocols = protocol if isinstance(protocol, (tuple, list)) else (protocol,)
+            if {"s3", "s3a"}.intersection(protocols):
+                from .s3 import S3Storage
+                return object.__new__(S3Storage)
+        return object.__new__(cls)
 
     def __init__(self, url: str | None = None, *, fs: Any = None, path: str | None = None,
                  part_size: int = PART_SIZE, parallel_parts: int = PARALLEL_PARTS,
@@ -148,25 +158,15 @@ class FsspecStorage(Storage):
         self.path = (path or "").rstrip("/")
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         self.protocol = protocols[0]
-        self.is_s3 = "s3" in protocols
         self.object_store = bool(OBJECT_STORE_PROTOCOLS.intersection(protocols))
-        self.part_size = max(int(part_size), 5 << 20) if self.is_s3 else int(part_size)
+        self.part_size = int(part_size)
         self.parallel_parts = max(1, int(parallel_parts))
         self.url = fs.unstrip_protocol(self.path) if self.path else f"{self.protocol}://"
         self.endpoint = getattr(fs, "endpoint_url", None)
-        if not self.is_s3:
-            # fsspec's "xb" elsewhere is at best check-then-create (memory://) or unverified
-            # (gcsfs, adlfs): a create is refused when the name exists, but two racing
-            # writers are not provably kept apart.
-            self.exclusive_create = False
         if not self.object_store:
             # memory:// (and local-like filesystems) show a file from the moment it is
             # opened; object stores show an object only once its upload completes.
             self.atomic_write = False
-        if self.is_s3:
-            self.bucket, _, self.prefix = self.path.partition("/")
-            if not self.bucket:
-                raise StorageError(f"cannot open {url}: an s3:// URL needs a bucket (s3://bucket/prefix)")
 
     # -- naming ------------------------------------------------------------------------
     def child(self, name: str) -> "FsspecStorage":
@@ -176,19 +176,14 @@ class FsspecStorage(Storage):
         return self._at(self.path.rpartition("/")[0])
 
     def _at(self, path: str) -> "FsspecStorage":
-        sub = FsspecStorage.__new__(FsspecStorage)
+        sub = object.__new__(type(self))
         sub.__dict__.update(self.__dict__)
         sub.path = path
         sub.url = self.fs.unstrip_protocol(path) if path else f"{self.protocol}://"
-        if self.is_s3:
-            sub.bucket, _, sub.prefix = path.partition("/")
         return sub
 
     def _full(self, name: str) -> str:
         return f"{self.path}/{name}" if self.path else name
-
-    def _key(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
 
     def _where(self, name: str) -> str:
         return f"{self.url}/{name}"
@@ -196,17 +191,8 @@ class FsspecStorage(Storage):
     def _err(self, exc: BaseException, action: str, name: str | None) -> StorageError:
         return object_store_error(exc, action, self._where(name) if name else self.url, self.endpoint)
 
-    def _call(self, method: str, **kwargs: Any) -> Any:
-        """One S3 API call through s3fs (its retries and error translation apply)."""
-        return self.fs.call_s3(method, **kwargs)
-
     # -- writing -------------------------------------------------------------------------
     def write_file(self, name: str, parts: Iterable[Buffer]) -> int:
-        if self.is_s3:
-            return self._s3_write(name, parts)
-        return self._fsspec_write(name, parts)
-
-    def _fsspec_write(self, name: str, parts: Iterable[Buffer]) -> int:
         path = self._full(name)
         written = 0
         try:
@@ -252,173 +238,6 @@ class FsspecStorage(Storage):
             except Exception:  # noqa: BLE001
                 pass
 
-    def _s3_write(self, name: str, parts: Iterable[Buffer]) -> int:
-        """One conditional PUT when the data fits in one part, else a multipart upload."""
-        pieces = self._pieces(parts)
-        first = next(pieces, b"")
-        second = next(pieces, None)
-        if second is None:
-            self._s3_put(name, first)
-            return len(first)
-        return self._s3_multipart(name, itertools.chain([first, second], pieces))
-
-    def _s3_put(self, name: str, body: bytes) -> None:
-        key = self._key(name)
-        token = secrets.token_hex(12)  # tells our own object from another writer's
-        try:
-            self._call("put_object", Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*",
-                       Metadata={WRITE_TOKEN: token})
-        except Exception as exc:  # noqa: BLE001 - classified below
-            self._settle(exc, name, key, token)
-        finally:
-            self.fs.invalidate_cache(self._full(name))
-
-    def _settle(self, exc: BaseException, name: str, key: str, token: str) -> None:
-        """Decide a failed create: return if it in fact succeeded, else raise.
-
-        A 412 is a lost race -- or a retry (by botocore or s3fs) of our own request that
-        had succeeded; a 5xx, timeout or lost connection leaves the outcome unknown.
-        Either way the object is looked at: if it carries our write token, it is ours."""
-        if not _is_definite(exc) and self._ours(key, token):
-            return
-        if _is_precondition_failed(exc):
-            raise FileExistsError(errno.EEXIST, f"{self._where(name)} exists (another writer "
-                                  "created it first)", self._where(name)) from exc
-        raise self._err(exc, "write", name) from exc
-
-    def _ours(self, key: str, token: str) -> bool:
-        """Does the object exist and carry our write token? (False if it cannot be read.)"""
-        try:
-            head = self._call("head_object", Bucket=self.bucket, Key=key)
-        except Exception:  # noqa: BLE001 - any failure means "not proven"
-            return False
-        meta = {k.lower(): v for k, v in (head.get("Metadata") or {}).items()}
-        return meta.get(WRITE_TOKEN) == token
-
-    def _s3_multipart(self, name: str, pieces: Iterator[bytes]) -> int:
-        key = self._key(name)
-        token = secrets.token_hex(12)
-        try:
-            upload_id = self._call("create_multipart_upload", Bucket=self.bucket, Key=key,
-                                   Metadata={WRITE_TOKEN: token})["UploadId"]
-        except Exception as exc:  # noqa: BLE001
-            raise self._err(exc, "start a multipart upload of", name) from exc
-        etags: dict[int, str] = {}
-        futures: set[Future] = set()
-        slots = threading.Semaphore(self.parallel_parts)
-        pool = ThreadPoolExecutor(self.parallel_parts, thread_name_prefix="safeckpt-upload")
-
-        def upload(number: int, body: bytes) -> None:
-            try:
-                out = self._call("upload_part", Bucket=self.bucket, Key=key, PartNumber=number,
-                                 UploadId=upload_id, Body=body)
-                etags[number] = out["ETag"]
-            finally:
-                slots.release()
-
-        def submit(number: int, body: bytes) -> None:
-            slots.acquire()
-            for done in [f for f in futures if f.done()]:
-                futures.discard(done)
-                done.result()  # surface a failed part early
-            futures.add(pool.submit(upload, number, body))
-
-        total = 0
-        number = 0
-        try:
-            for part in pieces:
-                number += 1
-                if number > MAX_PARTS:
-                    raise StorageError(f"cannot write {self._where(name)}: more than {MAX_PARTS} parts")
-                total += len(part)
-                submit(number, part)
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            for f in done:
-                f.result()
-            if len(etags) != number:
-                raise StorageError(f"cannot write {self._where(name)}: {number - len(etags)} parts missing")
-            parts_info = [{"PartNumber": n, "ETag": etags[n]} for n in range(1, number + 1)]
-            self._s3_complete(name, key, upload_id, parts_info, token)
-            return total
-        except BaseException as exc:
-            for f in futures:
-                f.cancel()
-            pool.shutdown(wait=True)
-            self._abort(key, upload_id)
-            if isinstance(exc, (FileExistsError, StorageError)) or not _is_backend_error(exc):
-                raise  # our own verdicts, and the caller's errors from ``parts``, unchanged
-            raise self._err(exc, "write", name) from exc
-        finally:
-            pool.shutdown(wait=True)
-            self.fs.invalidate_cache(self._full(name))
-
-    def _pieces(self, parts: Iterable[Buffer]) -> Iterator[bytes]:
-        """Cut the stream into parts of ``part_size`` as it comes (at most one part is
-        buffered; a large tensor is sliced, one copy). Parts grow past 2,000 so that a
-        file never needs more than ``MAX_PARTS``; the last one may be smaller."""
-        count = 0
-        buf = bytearray()
-
-        def size() -> int:
-            return self.part_size << min(count // 2000, 4)
-
-        for part in parts:
-            view = _bytes_view(part)
-            while view:
-                if not buf and len(view) >= size():
-                    piece, view = bytes(view[:size()]), view[size():]
-                else:
-                    want = size() - len(buf)
-                    buf += view[:want]
-                    view = view[want:]
-                    if len(buf) < size():
-                        continue
-                    piece, buf = bytes(buf), bytearray()
-                count += 1
-                yield piece
-        if buf or count == 0:
-            yield bytes(buf)
-
-    def _s3_complete(self, name: str, key: str, upload_id: str, parts: list[dict], token: str) -> None:
-        try:
-            self._call("complete_multipart_upload", Bucket=self.bucket, Key=key, UploadId=upload_id,
-                       MultipartUpload={"Parts": parts}, IfNoneMatch="*")
-        except Exception as exc:  # noqa: BLE001
-            self._settle(exc, name, key, token)
-
-    def _abort(self, key: str, upload_id: str) -> None:
-        try:
-            self._call("abort_multipart_upload", Bucket=self.bucket, Key=key, UploadId=upload_id)
-        except Exception:  # noqa: BLE001 - garbage collection aborts what is left
-            pass
-
-    def abort_stale_uploads(self, older_than: float = 3600.0) -> int:
-        """Abort incomplete multipart uploads under this prefix started more than
-        ``older_than`` seconds ago (left by crashed saves; they cost storage until
-        aborted). Returns how many were aborted. A no-op off S3."""
-        if not self.is_s3:
-            return 0
-        prefix = f"{self.prefix}/" if self.prefix else ""
-        cutoff = time.time() - older_than
-        aborted = 0
-        try:
-            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
-            while True:
-                page = self._call("list_multipart_uploads", **kwargs)
-                for up in page.get("Uploads", []):
-                    started = up.get("Initiated")
-                    if started is not None and started.timestamp() > cutoff:
-                        continue
-                    self._call("abort_multipart_upload", Bucket=self.bucket, Key=up["Key"],
-                               UploadId=up["UploadId"])
-                    aborted += 1
-                if not page.get("IsTruncated"):
-                    return aborted
-                kwargs["KeyMarker"] = page.get("NextKeyMarker")
-                kwargs["UploadIdMarker"] = page.get("NextUploadIdMarker")
-        except Exception as exc:  # noqa: BLE001
-            raise self._err(exc, "abort stale uploads in", None) from exc
-
     # -- reading ----------------------------------------------------------------------
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         path = self._full(name)
@@ -454,8 +273,6 @@ class FsspecStorage(Storage):
     def size(self, name: str) -> int:
         path = self._full(name)
         try:
-            if self.is_s3:
-                return int(self._call("head_object", Bucket=self.bucket, Key=self._key(name))["ContentLength"])
             info = self.fs.info(path)
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "no such file", self._where(name)) from None
@@ -471,8 +288,6 @@ class FsspecStorage(Storage):
     # -- listing and deleting ----------------------------------------------------------------
     def listdir(self) -> dict[str, int | None]:
         self.fs.invalidate_cache(self.path)  # never answer from a stale listing cache
-        if self.is_s3:
-            return self._s3_listdir()
         try:
             entries = self.fs.ls(self.path, detail=True)
         except (FileNotFoundError, NotADirectoryError):
@@ -487,31 +302,9 @@ class FsspecStorage(Storage):
             out[base] = None if e.get("type") == "directory" else int(e.get("size") or 0)
         return out
 
-    def _s3_listdir(self) -> dict[str, int | None]:
-        prefix = f"{self.prefix}/" if self.prefix else ""
-        out: dict[str, int | None] = {}
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "Delimiter": "/"}
-        try:
-            while True:
-                page = self._call("list_objects_v2", **kwargs)
-                for obj in page.get("Contents", []):
-                    base = obj["Key"][len(prefix):]
-                    if base:  # skip a "folder marker" object equal to the prefix
-                        out[base] = int(obj["Size"])
-                for cp in page.get("CommonPrefixes", []):
-                    out[cp["Prefix"][len(prefix):].rstrip("/")] = None
-                if not page.get("IsTruncated"):
-                    return out
-                kwargs["ContinuationToken"] = page["NextContinuationToken"]
-        except Exception as exc:  # noqa: BLE001
-            raise self._err(exc, "list", None) from exc
-
     def delete(self, names: Iterable[str]) -> None:
         names = list(names)
         if not names:
-            return
-        if self.is_s3:
-            self._s3_delete(names)
             return
         for name in names:
             try:
@@ -521,24 +314,6 @@ class FsspecStorage(Storage):
             except OSError as exc:
                 raise self._err(exc, "delete", name) from exc
         self.fs.invalidate_cache(self.path)
-
-    def _s3_delete(self, names: list[str]) -> None:
-        try:
-            for i in range(0, len(names), 1000):
-                batch = names[i:i + 1000]
-                out = self._call("delete_objects", Bucket=self.bucket,
-                                 Delete={"Objects": [{"Key": self._key(n)} for n in batch], "Quiet": True})
-                errors = [e for e in out.get("Errors", []) if e.get("Code") != "NoSuchKey"]
-                if errors:
-                    first = errors[0]
-                    raise StorageError(f"cannot delete {len(errors)} object(s) in {self.url}, e.g. "
-                                       f"{first.get('Key')}: {first.get('Code')} {first.get('Message')}")
-        except StorageError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise self._err(exc, "delete objects in", None) from exc
-        finally:
-            self.fs.invalidate_cache(self.path)
 
     def remove_folder(self) -> None:
         if self.object_store or "/" not in self.path.strip("/"):

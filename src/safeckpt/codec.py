@@ -15,7 +15,7 @@ import collections
 import math
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Container
 
 import numpy as np
 import torch
@@ -89,6 +89,12 @@ def encode_leaf(value: Any, key: str, allow_pickle: bool) -> JSON:
     )
 
 
+def _number(value: Any) -> float:
+    if type(value) not in (int, float):
+        raise TypeError(f"{value!r} is not a number")
+    return float(value)
+
+
 def decode_leaf(node: JSON, key: str, allow_pickle: bool) -> Any:
     """Inverse of ``encode_leaf`` for one tagged or plain JSON value."""
     if not isinstance(node, dict):
@@ -100,7 +106,8 @@ def decode_leaf(node: JSON, key: str, allow_pickle: bool) -> Any:
         if tag == "$float":
             return float(arg)
         if tag == "$complex":
-            return complex(*(float(decode_leaf(part, key, False)) for part in arg))
+            real, imag = (float(part["$float"]) if isinstance(part, dict) else _number(part) for part in arg)
+            return complex(real, imag)
         if tag == "$bytes":
             return _unb64(arg)
         if tag == "$bytearray":
@@ -122,7 +129,7 @@ def decode_leaf(node: JSON, key: str, allow_pickle: bool) -> Any:
             if dtype.kind in "OV":
                 raise ValueError(f"dtype {dtype}")
             return np.frombuffer(_unb64(arg["data"]), dtype=dtype)[0]
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError, OverflowError) as exc:
         raise CorruptCheckpointError(f"cannot decode value {tag} at {key!r}: {exc}") from exc
     if tag == "$pickle":
         if not allow_pickle:
@@ -191,6 +198,89 @@ def decode_key(node: JSON, key: str, allow_pickle: bool) -> Any:
 
 
 CONTAINER_TAGS = ("$dict", "$odict", "$tuple", "$size", "$set", "$frozenset", "$tensor", "$local")
+MAX_DEPTH = 100  #: containers nested deeper than this are refused on save and on load
+_UNHASHABLE = ("$ndarray", "$bytearray")
+_INT64 = 2**63
+
+
+def check_tree(node: JSON, where: str, tensors: "Container[str]", *, pickled: bool = True,
+               error: type[CheckpointError] = CorruptCheckpointError) -> None:
+    """Raise ``error`` naming ``where`` unless ``node`` is a tree this codec wrote: every
+    tag with the argument its decoder expects, every leaf decodable (``$pickle`` leaves
+    only where ``pickled``; they are decoded on load with the loader's opt-in), dict keys and set
+    members hashable, ``$tensor`` naming one of ``tensors``, ``$local`` not nested, and
+    at most ``MAX_DEPTH`` containers deep. Walked without recursion, so a crafted tree
+    of any depth is refused cleanly; after it, the decoders and the load planner (which
+    recurse) cannot fail on the tree's shape."""
+    stack: list[tuple[JSON, str, int, bool]] = [(node, "", 0, False)]  # node, key, depth, in $local
+
+    def bad(key: str, what: str) -> CheckpointError:
+        return error(f"{where}: the value at {key or '<root>'!r} {what}")
+
+    while stack:
+        node, key, depth, local = stack.pop()
+        tag = tag_of(node)
+        if tag is None:
+            _check_leaf(node, key, pickled, bad)
+            continue
+        if depth >= MAX_DEPTH:
+            raise bad(key, f"is nested more than {MAX_DEPTH} containers deep")
+        arg = node[tag] if tag not in ("object", "list") else node
+        if tag == "$tensor":
+            if not isinstance(arg, str) or arg not in tensors:
+                raise bad(key, f"names tensor {arg!r}, which the checkpoint does not hold")
+            continue
+        if not isinstance(arg, (list, dict)) or (tag != "object" and not isinstance(arg, list)):
+            raise bad(key, f"is a malformed {tag} (not a list)")
+        if tag == "$local":
+            if local:
+                raise bad(key, "is a rank-local value inside another")
+            local = True
+        if tag in ("$set", "$frozenset"):
+            for member in arg:
+                _check_key(member, key, pickled, bad)
+            continue
+        if tag in ("$dict", "$odict"):
+            children = []
+            for pair in arg:
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise bad(key, f"is a malformed {tag} (an item is not a [key, value] pair)")
+                _check_key(pair[0], key, pickled, bad)
+                children.append((child_key(key, pair[0]), pair[1]))
+        elif tag == "object":
+            children = [(child_key(key, k), v) for k, v in arg.items()]
+        else:
+            children = [(child_key(key, i), v) for i, v in enumerate(arg)]
+            if tag == "$size" and not all(type(v) is int and 0 <= v < _INT64 for v in arg):
+                raise bad(key, "is a malformed $size (not a list of dimensions)")
+        stack.extend((child, k, depth + 1, local) for k, child in children)
+
+
+def _check_leaf(node: JSON, key: str, pickled: bool, bad: Callable[[str, str], CheckpointError]) -> None:
+    if isinstance(node, dict):
+        ((tag, arg),) = node.items()
+        if tag == "$pickle":
+            if not pickled or not isinstance(arg, str):
+                raise bad(key, "is a malformed $pickle")
+            return
+        try:
+            decode_leaf(node, key, False)
+        except CorruptCheckpointError as exc:
+            raise bad(key, f"cannot be decoded ({exc})") from exc
+
+
+def _check_key(node: JSON, key: str, pickled: bool, bad: Callable[[str, str], CheckpointError]) -> None:
+    """A dict key or set member: a hashable leaf, or a ``$tuple`` of them."""
+    stack = [(node, 0)]
+    while stack:
+        node, depth = stack.pop()
+        tag = tag_of(node)
+        if tag == "$tuple" and isinstance(node[tag], list) and depth < MAX_DEPTH:
+            stack.extend((member, depth + 1) for member in node[tag])
+        elif tag is not None or (isinstance(node, dict) and next(iter(node)) in _UNHASHABLE):
+            raise bad(key, f"has a key or member that is not hashable: {str(node)[:80]}")
+        else:
+            _check_leaf(node, key, pickled, bad)
 
 
 def tag_of(node: JSON) -> str | None:

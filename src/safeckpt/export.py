@@ -43,7 +43,7 @@ from .reader import TensorReader
 from .state import Read
 from .storage import Storage
 from .storage import open as open_storage
-from .tensors import SAFETENSORS_DTYPES, byte_view, dtype_from_name, nbytes_of
+from .tensors import SAFETENSORS_DTYPES, byte_view, dtype_from_name, is_shape, nbytes_of
 
 __all__ = ["ExportError", "ExportResult", "ExportedFile", "export_checkpoint", "import_checkpoint",
            "detect_format", "read_foreign", "plain_values", "read_safetensors", "parse_size", "plan_shards",
@@ -404,19 +404,24 @@ def read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]
         try:
             header = json.loads(f.read(n))
             assert isinstance(header, dict)
-        except (ValueError, AssertionError) as exc:
+        except (ValueError, AssertionError, RecursionError) as exc:
             raise CorruptCheckpointError(f"{path}: not a safetensors file (bad JSON header)") from exc
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > 0 else None
     base = 8 + n
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptCheckpointError(f"{path}: not a safetensors file (__metadata__ is not a string map)")
     out: dict[str, torch.Tensor] = {}
     for name, e in header.items():
         try:
             dtype = _SAFETENSORS_TO_TORCH[e["dtype"]]
-            shape = [int(d) for d in e["shape"]]
-            begin, end = (int(x) for x in e["data_offsets"])
+            shape = e["shape"]
+            begin, end = e["data_offsets"]
+            if not is_shape(shape, dtype.itemsize) or type(begin) is not int or type(end) is not int:
+                raise ValueError("bad shape or offsets")
         except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptCheckpointError(f"{path}: tensor {name!r}: unsupported or malformed entry {e!r}") from exc
+            raise CorruptCheckpointError(f"{path}: tensor {name!r}: unsupported or malformed entry "
+                                         f"({exc})") from exc
         nbytes = nbytes_of(shape, dtype)
         if end - begin != nbytes or begin < 0 or base + end > size:
             raise CorruptCheckpointError(f"{path}: tensor {name!r}: byte range [{begin}, {end}) does not "
@@ -428,7 +433,7 @@ def read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]
         if (base + begin) % dtype.itemsize:
             raw = raw.clone()  # misaligned: copy
         out[name] = raw.view(dtype).reshape(shape)
-    return out, {str(k): str(v) for k, v in metadata.items()}
+    return out, metadata
 
 
 def _weights_only_error(path: str, exc: BaseException) -> UnsafeObjectError:

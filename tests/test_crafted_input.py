@@ -313,3 +313,95 @@ def test_a_crafted_safetensors_file_is_refused_on_import(tmp_path, header):
     with pytest.raises(safeckpt.CorruptCheckpointError, match="x.safetensors"):
         import_checkpoint(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- fuzzing
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+TAGS = ["$dict", "$odict", "$tuple", "$size", "$set", "$frozenset", "$tensor", "$local", "$int", "$float",
+        "$complex", "$bytes", "$bytearray", "$dtype", "$device", "$ndarray", "$npscalar", "$pickle", "$what"]
+_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
+                  st.text(max_size=6), st.sampled_from(["w", "b", "float32", "AQAAAA==", "<i4", "|O", "cpu",
+                                                        "cuda:1", "0x10", "nan", "inf", "qint8"]))
+_NAMES = st.sampled_from(["w", "b", "float32", "int8", "cpu", "cuda:1", "meta:-1", "0x10", "nan", "inf",
+                          "AQAAAA==", "<i4", "|O", "<f8", "V8", ""])
+
+
+def _containers(inner: st.SearchStrategy) -> st.SearchStrategy:
+    """Tagged nodes shaped nearly like the codec's, so their arguments are what is wrong."""
+    seq = st.lists(inner, max_size=4)
+    return st.one_of(
+        seq, st.dictionaries(st.one_of(st.text(max_size=4), st.sampled_from(TAGS)), inner, max_size=3),
+        st.tuples(st.sampled_from(["$set", "$frozenset", "$tuple", "$size", "$local"]), st.one_of(seq, inner)),
+        st.tuples(st.sampled_from(["$dict", "$odict"]),
+                  st.one_of(st.lists(st.tuples(inner, inner).map(list), max_size=3), seq, inner)),
+        st.tuples(st.sampled_from(["$tensor", "$int", "$float", "$bytes", "$bytearray", "$dtype", "$device",
+                                   "$pickle", "$what", "$complex"]), st.one_of(_NAMES, inner, seq)),
+        st.tuples(st.sampled_from(["$ndarray", "$npscalar"]),
+                  st.fixed_dictionaries({"dtype": st.one_of(_NAMES, inner), "data": st.one_of(_NAMES, inner)},
+                                        optional={"shape": st.one_of(st.lists(st.integers(-1, 2**64), max_size=3),
+                                                                     inner)})),
+    ).map(lambda node: {node[0]: node[1]} if isinstance(node, tuple) else node)
+
+
+_VALUE = st.recursive(st.one_of(_LEAF, _NAMES, st.integers(0, 900).map(_nest)), _containers, max_leaves=12)
+_TREE_PLACES = [["tree"], ["tree", "w"], ["tree", "step"], ["tree", "meta"], ["tree", "meta", "ids"],
+                ["tree", "meta", "tags"], ["tree", "meta", "pair"], ["tree", "meta", "ids", "$dict", 0, 0],
+                ["tree", "meta", "tags", "$set", 0], ["tree", "meta", "pair", "$tuple", 0]]
+_PLACES = _TREE_PLACES * 3 + [["metadata"], ["metrics"], ["tensors"], ["tensors", "b"],
+           ["tensors", "b", "shape"], ["tensors", "b", "dtype"], ["tensors", "b", "chunks"],
+           ["tensors", "w", "tied_to"], ["files"], ["files", 0], ["world_size"], ["step"], ["seq"],
+           ["created"], ["block_size"], ["run_id"], ["save_id"]] + [
+    ["tensors", "w", "chunks", 0, f] for f in ("file", "start", "end", "offsets", "shape", "checksums")] + [
+    ["files", 0, f] for f in ("name", "size", "header_size", "header_checksum", "rank")]
+_FUZZ = settings(max_examples=200, deadline=2000, derandomize=True, database=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+def _outcome(call: Callable[[], Any]) -> None:
+    """A committed load or a CheckpointError; nothing else, and little memory."""
+    tracemalloc.start()
+    try:
+        call()
+    except safeckpt.CheckpointError:
+        pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"{peak >> 20} MiB"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@_FUZZ
+@given(data=st.data())
+def test_fuzzed_manifests_load_or_raise_a_checkpoint_error(ckpt, data):
+    path, body = _body(ckpt)
+    original = path.read_bytes()
+    try:
+        for _ in range(data.draw(st.integers(1, 3))):
+            place = data.draw(st.sampled_from(_PLACES))
+            try:
+                _set(place, data.draw(_VALUE))(body)
+            except (KeyError, IndexError, TypeError):
+                pass  # an earlier change removed the place
+        path.write_bytes(frame(json.dumps(body).encode()))
+        _outcome(lambda: safeckpt.load_state(ckpt))
+        _outcome(lambda: safeckpt.load(_state(), ckpt, strict=False))
+        _outcome(lambda: safeckpt.verify(ckpt))
+    finally:
+        path.write_bytes(original)
+
+
+@pytest.mark.timeout(60)
+@_FUZZ
+@given(header=st.dictionaries(st.one_of(st.text(max_size=4), st.just("__metadata__")), _VALUE, max_size=3),
+       entry=st.fixed_dictionaries({"dtype": st.one_of(st.sampled_from(["F32", "U8", "BOOL"]), _VALUE),
+                                    "shape": st.one_of(st.lists(st.integers(-3, 2**64), max_size=4), _VALUE),
+                                    "data_offsets": st.one_of(st.lists(st.integers(-3, 40), max_size=3), _VALUE)}))
+def test_fuzzed_safetensors_headers_read_or_raise_a_checkpoint_error(tmp_path, header, entry):
+    header["x"] = entry
+    src = _safetensors(tmp_path / "f.safetensors", json.dumps(header).encode(), bytes(32))
+    _outcome(lambda: read_safetensors(str(src)))

@@ -3,7 +3,8 @@
 Durability: every file is fsynced before ``write_file`` returns, and so is its folder
 (where the OS allows: Windows and some filesystems refuse folder fsync, which is then
 skipped). Files are created with ``O_EXCL`` directly under their final name and the
-process umask applies; nothing is staged elsewhere and nothing is renamed.
+process umask applies; nothing is staged elsewhere and the commit protocol renames
+nothing (``rename`` is for exports, which put finished files in place).
 
 Every OS call goes through a small file-system object (``fs``), by default
 ``OS_FILESYSTEM``, which calls the ``os`` module at call time (so tests that
@@ -107,6 +108,7 @@ class LocalStorage(Storage):
     ``fs`` replaces the OS calls (default: the real ``os``); see ``OSFileSystem``."""
 
     atomic_write = False  # a reader may see a file before it is complete
+    can_rename = True
 
     def __init__(self, path: str | os.PathLike, fs: OSFileSystem | None = None) -> None:
         self.fs = fs if fs is not None else OS_FILESYSTEM
@@ -200,6 +202,14 @@ class LocalStorage(Storage):
                 fsync_folder(folder, self.fs)
             except OSError as exc:
                 raise storage_error(exc, "sync the folder", folder) from exc
+
+    def rename(self, src: str, dst: str) -> None:
+        path = self._full(dst)
+        try:
+            self.fs.replace(self._full(src), path)
+            fsync_folder(os.path.dirname(path), self.fs)
+        except OSError as exc:
+            raise storage_error(exc, "rename into", path) from exc
 
     def remove_folder(self) -> None:
         try:

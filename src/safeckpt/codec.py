@@ -204,14 +204,15 @@ _INT64 = 2**63
 
 
 def check_tree(node: JSON, where: str, tensors: "Container[str]", *, pickled: bool = True,
-               error: type[CheckpointError] = CorruptCheckpointError) -> None:
+               rank_tree: bool = False, error: type[CheckpointError] = CorruptCheckpointError) -> None:
     """Raise ``error`` naming ``where`` unless ``node`` is a tree this codec wrote: every
     tag with the argument its decoder expects, every leaf decodable (``$pickle`` leaves
     only where ``pickled``; they are decoded on load with the loader's opt-in), dict keys and set
     members hashable, ``$tensor`` naming one of ``tensors``, ``$local`` not nested, and
     at most ``MAX_DEPTH`` containers deep. Walked without recursion, so a crafted tree
     of any depth is refused cleanly; after it, the decoders and the load planner (which
-    recurse) cannot fail on the tree's shape."""
+    recurse) cannot fail on the tree's shape. ``rank_tree``: one rank's tree before the
+    ranks' trees are merged, where ``$local`` holds this rank's value, not every rank's."""
     stack: list[tuple[JSON, str, int, bool]] = [(node, "", 0, False)]  # node, key, depth, in $local
 
     def bad(key: str, what: str) -> CheckpointError:
@@ -229,6 +230,9 @@ def check_tree(node: JSON, where: str, tensors: "Container[str]", *, pickled: bo
         if tag == "$tensor":
             if not isinstance(arg, str) or arg not in tensors:
                 raise bad(key, f"names tensor {arg!r}, which the checkpoint does not hold")
+            continue
+        if tag == "$local" and rank_tree and not local:
+            stack.append((arg, key, depth + 1, True))
             continue
         if not isinstance(arg, (list, dict)) or (tag != "object" and not isinstance(arg, list)):
             raise bad(key, f"is a malformed {tag} (not a list)")

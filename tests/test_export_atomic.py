@@ -263,3 +263,24 @@ def test_an_import_streams_tensor_by_tensor(tmp_path, kind):
     assert extra < 48, f"the import of 128 MiB held {extra:.0f} MiB of anonymous memory"
     got = safeckpt.load_state(tmp_path / "out")
     assert torch.equal(got["t15"], torch.full((2 << 20,), 15.0))
+
+
+def test_byte_flips_in_a_torch_save_file_are_detected_not_imported(tmp_path):
+    """torch.save files are zip archives too: their CRC-32s are checked on import."""
+    torch.manual_seed(0)
+    state = {"w": torch.randn(64, 8), "step": 3}
+    src = tmp_path / "plain.pt"
+    torch.save(state, src)
+    good = src.read_bytes()
+    detected = 0
+    for i, pos in enumerate(range(0, len(good), max(1, len(good) // 61))):
+        raw = bytearray(good)
+        raw[pos] ^= 0x10
+        src.write_bytes(bytes(raw))
+        try:
+            info, _ = import_checkpoint(src, tmp_path / f"out{i}")
+        except safeckpt.CheckpointError:
+            detected += 1
+            continue
+        assert torch.equal(safeckpt.load_state(info.path)["w"], state["w"]), f"a flip at byte {pos} imported"
+    assert detected >= 30, detected

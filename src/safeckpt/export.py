@@ -32,6 +32,7 @@ import struct
 import secrets
 import tempfile
 import warnings
+import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -510,21 +511,25 @@ def _weights_only_error(path: str, exc: BaseException) -> UnsafeObjectError:
 
 
 def read_torch(path: str) -> Any:
-    """A ``torch.save`` file, read with ``weights_only=True`` (memory-mapped when the
-    file allows it)."""
+    """A ``torch.save`` file, read with ``weights_only=True``: a zip archive (every
+    ``torch.save`` since torch 1.6) by ``torchzip``, its CRC-32s checked and tensors
+    memory-mapped; the legacy format, which carries no checksum, by ``torch.load``."""
     try:
-        with torchzip.numpy_allowed():
+        if zipfile.is_zipfile(path):
+            mm = _map(path)
             try:
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as exc:
-                if "mmap" not in str(exc):
-                    raise
-                return torch.load(path, map_location="cpu", weights_only=True)
+                return torchzip.load_archive(mm, 0, len(mm), path)
+            except pickle.UnpicklingError as exc:
+                raise _weights_only_error(path, exc) from exc
+        with torchzip.numpy_allowed():
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise _weights_only_error(path, exc) from exc
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"no file at {path}") from exc
     except (RuntimeError, EOFError, ValueError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CorruptCheckpointError(f"{path}: cannot read it as a torch.save file ({first})") from exc
 

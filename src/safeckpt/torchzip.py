@@ -93,6 +93,8 @@ def load_archive(buffer: mmap.mmap, start: int, length: int, where: str) -> Any:
                         pass
             pkl = next(n for n in members if n.endswith("/data.pkl") and n.count("/") == 1)
             prefix = pkl[:-len("data.pkl")]
+            if f"{prefix}byteorder" in members and archive.read(f"{prefix}byteorder") != b"little":
+                raise ValueError("a big-endian archive")
             unpickler = torch._weights_only_unpickler.Unpickler(io.BytesIO(archive.read(pkl)), encoding="utf-8")
         unpickler.persistent_load = lambda saved_id: _storage(buffer, start, window, members, prefix, saved_id)
         with numpy_allowed():

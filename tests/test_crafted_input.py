@@ -134,6 +134,8 @@ CRAFTED = {
     "unknown tag": _set(["tree", "step"], {"$what": 1}),
     "metadata a list": _set(["metadata"], [1, 2]),
     "metadata pickled": _set(["metadata"], {"x": {"$pickle": "gAQu"}}),
+    "metadata rank-local": _set(["metadata"], {"x": {"$local": [1]}}),
+    "metrics a tensor": _set(["metrics"], {"x": {"$tensor": "w"}}),
     "metadata deep": _set(["metadata"], {"x": _nest(600)}),
     "shape 2**64 x 0": _shape([2**64, 0], 0),
     "shape 2**62 x 2**62 x 0": _shape([2**62, 2**62, 0], 0),

@@ -203,12 +203,13 @@ _UNHASHABLE = ("$ndarray", "$bytearray")
 _INT64 = 2**63
 
 
-def check_tree(node: JSON, where: str, tensors: "Container[str]", *, pickled: bool = True,
+def check_tree(node: JSON, where: str, tensors: "Container[str]", *, plain: bool = False,
                rank_tree: bool = False, error: type[CheckpointError] = CorruptCheckpointError) -> None:
     """Raise ``error`` naming ``where`` unless ``node`` is a tree this codec wrote: every
     tag with the argument its decoder expects, every leaf decodable (``$pickle`` leaves
-    only where ``pickled``; they are decoded on load with the loader's opt-in), dict keys and set
-    members hashable, ``$tensor`` naming one of ``tensors``, ``$local`` not nested, and
+    are decoded on load, with the loader's opt-in), dict keys and set members hashable,
+    ``$tensor`` naming one of ``tensors``, ``$local`` not nested (``plain`` values, as
+    metadata and metrics, have neither ``$local`` nor ``$pickle``), and
     at most ``MAX_DEPTH`` containers deep. Walked without recursion, so a crafted tree
     of any depth is refused cleanly; after it, the decoders and the load planner (which
     recurse) cannot fail on the tree's shape. ``rank_tree``: one rank's tree before the
@@ -222,7 +223,7 @@ def check_tree(node: JSON, where: str, tensors: "Container[str]", *, pickled: bo
         node, key, depth, local = stack.pop()
         tag = tag_of(node)
         if tag is None:
-            _check_leaf(node, key, pickled, bad)
+            _check_leaf(node, key, not plain, bad)
             continue
         if depth >= MAX_DEPTH:
             raise bad(key, f"is nested more than {MAX_DEPTH} containers deep")
@@ -237,19 +238,19 @@ def check_tree(node: JSON, where: str, tensors: "Container[str]", *, pickled: bo
         if not isinstance(arg, (list, dict)) or (tag != "object" and not isinstance(arg, list)):
             raise bad(key, f"is a malformed {tag} (not a list)")
         if tag == "$local":
-            if local:
-                raise bad(key, "is a rank-local value inside another")
+            if local or plain:
+                raise bad(key, "is a rank-local value where none may be")
             local = True
         if tag in ("$set", "$frozenset"):
             for member in arg:
-                _check_key(member, key, pickled, bad)
+                _check_key(member, key, not plain, bad)
             continue
         if tag in ("$dict", "$odict"):
             children = []
             for pair in arg:
                 if not isinstance(pair, list) or len(pair) != 2:
                     raise bad(key, f"is a malformed {tag} (an item is not a [key, value] pair)")
-                _check_key(pair[0], key, pickled, bad)
+                _check_key(pair[0], key, not plain, bad)
                 children.append((child_key(key, pair[0]), pair[1]))
         elif tag == "object":
             children = [(child_key(key, k), v) for k, v in arg.items()]

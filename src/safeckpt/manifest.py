@@ -292,6 +292,6 @@ def _decode_body(body: dict, where: str) -> Manifest:
 def decode_values(node: Any, what: str, where: str) -> dict[str, Any]:
     """Inverse of ``encode_values``; ``where`` names the manifest in errors."""
     _need(codec.tag_of(node) in ("object", "$dict", "$odict"), where, f"{what} is not a mapping")
-    codec.check_tree(node, f"{where}: {what}", (), pickled=False)
+    codec.check_tree(node, f"{where}: {what}", (), plain=True)
     items = codec.items_of(node, what, allow_pickle=False)
     return {k: codec.decode_value(v, codec.child_key(what, k)) for k, v in items}

@@ -214,13 +214,18 @@ def check_tree(node: JSON, where: str, tensors: "Container[str]", *, plain: bool
     of any depth is refused cleanly; after it, the decoders and the load planner (which
     recurse) cannot fail on the tree's shape. ``rank_tree``: one rank's tree before the
     ranks' trees are merged, where ``$local`` holds this rank's value, not every rank's."""
-    stack: list[tuple[JSON, str, int, bool]] = [(node, "", 0, False)]  # node, key, depth, in $local
+    # node, its parent's key and its own name in it (the key is built only when needed:
+    # most nodes are leaves), depth, inside $local
+    stack: list[tuple[JSON, str | None, Any, int, bool]] = [(node, None, "", 0, False)]
 
     def bad(key: str, what: str) -> CheckpointError:
         return error(f"{where}: the value at {key or '<root>'!r} {what}")
 
     while stack:
-        node, key, depth, local = stack.pop()
+        node, parent, name, depth, local = stack.pop()
+        if not isinstance(node, (dict, list)):
+            continue  # a plain JSON leaf
+        key = "" if parent is None else child_key(parent, name)
         tag = tag_of(node)
         if tag is None:
             _check_leaf(node, key, not plain, bad)
@@ -233,7 +238,7 @@ def check_tree(node: JSON, where: str, tensors: "Container[str]", *, plain: bool
                 raise bad(key, f"names tensor {arg!r}, which the checkpoint does not hold")
             continue
         if tag == "$local" and rank_tree and not local:
-            stack.append((arg, key, depth + 1, True))
+            stack.append((arg, parent, name, depth + 1, True))
             continue
         if not isinstance(arg, (list, dict)) or (tag != "object" and not isinstance(arg, list)):
             raise bad(key, f"is a malformed {tag} (not a list)")
@@ -246,19 +251,17 @@ def check_tree(node: JSON, where: str, tensors: "Container[str]", *, plain: bool
                 _check_key(member, key, not plain, bad)
             continue
         if tag in ("$dict", "$odict"):
-            children = []
             for pair in arg:
                 if not isinstance(pair, list) or len(pair) != 2:
                     raise bad(key, f"is a malformed {tag} (an item is not a [key, value] pair)")
                 _check_key(pair[0], key, not plain, bad)
-                children.append((child_key(key, pair[0]), pair[1]))
+            stack.extend((v, key, k, depth + 1, local) for k, v in arg)
         elif tag == "object":
-            children = [(child_key(key, k), v) for k, v in arg.items()]
+            stack.extend((v, key, k, depth + 1, local) for k, v in arg.items())
         else:
-            children = [(child_key(key, i), v) for i, v in enumerate(arg)]
             if tag == "$size" and not all(type(v) is int and 0 <= v < _INT64 for v in arg):
                 raise bad(key, "is a malformed $size (not a list of dimensions)")
-        stack.extend((child, k, depth + 1, local) for k, child in children)
+            stack.extend((v, key, i, depth + 1, local) for i, v in enumerate(arg))
 
 
 def _check_leaf(node: JSON, key: str, pickled: bool, bad: Callable[[str, str], CheckpointError]) -> None:

@@ -102,6 +102,17 @@ def test_leftovers_of_an_interrupted_export_do_not_block_a_rerun(tmp_path):
         export_checkpoint(ckpt, out, max_shard_size="300B")
 
 
+def test_a_failed_overwrite_leaves_the_old_export_as_it_was(tmp_path):
+    ckpt, out = tmp_path / "ck", tmp_path / "out"
+    _checkpoint(ckpt)
+    export_checkpoint(ckpt, out, max_shard_size="300B")
+    before = {name: (out / name).read_bytes() for name in _files(out)}
+    _flip_tensor(ckpt, "c")
+    with pytest.raises(safeckpt.CorruptCheckpointError):
+        export_checkpoint(ckpt, out, max_shard_size="600B", overwrite=True)
+    assert {name: (out / name).read_bytes() for name in _files(out)} == before
+
+
 def test_overwrite_into_fewer_shards_removes_the_old_ones(tmp_path):
     ckpt, out = tmp_path / "ck", tmp_path / "out"
     _checkpoint(ckpt)
@@ -109,6 +120,8 @@ def test_overwrite_into_fewer_shards_removes_the_old_ones(tmp_path):
     result = export_checkpoint(ckpt, out, max_shard_size="600B", overwrite=True)
     assert len(result.files) == 2
     assert _files(out) == sorted([f.name for f in result.files] + ["model.safetensors.index.json"])
+    export_checkpoint(ckpt, out, overwrite=True)  # one file now: the shards and index go
+    assert _files(out) == ["model.safetensors"]
 
 
 # --------------------------------------------------------------------------- DCP imports

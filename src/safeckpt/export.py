@@ -282,6 +282,7 @@ class _Output:
         self.stale = stale  # old output to remove once the new files are in place
         self.token = secrets.token_hex(4)
         self.pending: list[tuple[str, str]] = []  # (name written, final name)
+        self.placed: list[str] = []  # final names put in place (an old output there is gone)
 
     def write(self, name: str, parts: Iterable[bytes | memoryview]) -> int:
         written = f".{name}.{self.token}.partial" if self.staged else name
@@ -294,22 +295,26 @@ class _Output:
             return
         if index in self.stale:
             self.storage.delete([index])
-        for written, name in self.pending:
-            if name != index:
-                self.storage.rename(written, name)
-        self.storage.delete([n for n in self.stale if n != index and n not in {f for _, f in self.pending}])
+        files = [pair for pair in self.pending if pair[1] != index]
+        for written, name in files:
+            self._place(written, name)
+        self.storage.delete([n for n in self.stale if n not in {f for _, f in self.pending}])
         for written, name in self.pending:
             if name == index:
-                self.storage.rename(written, name)
+                self._place(written, name)
         self.pending = []
+
+    def _place(self, written: str, name: str) -> None:
+        self.storage.rename(written, name)
+        self.placed.append(name)
 
     def __enter__(self) -> "_Output":
         return self
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
-        if kind is not None and self.pending:
-            try:
-                self.storage.delete(sorted({n for pair in self.pending for n in pair}))
+        if kind is not None and (self.pending or self.placed):
+            try:  # until publish, an old output under the final names stays as it was
+                self.storage.delete(sorted({written for written, _ in self.pending} | set(self.placed)))
             except CheckpointError as cleanup:  # the export's own error matters more
                 warnings.warn(f"export to {self.storage.url} failed and removing its files failed too: {cleanup}",
                               stacklevel=2)

@@ -25,7 +25,7 @@ from .checkpoint import CheckpointInfo, SaveRequest, gc_paused, save_request
 from .group import resolve
 from .state import FlatState, Piece
 
-log = logging.getLogger("safeckpt")
+log = logging.getLogger(__name__)
 
 
 class SaveFuture(Future):

@@ -12,12 +12,12 @@ import gc
 import os
 import secrets
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar, Union
 
 import torch
 
+from .errors import PartialLoadWarning, SkippedCheckpointWarning, warn
 from . import codec
 from . import errors as errors_module
 from .commit import DATA_RE, SaveRun, read_existing
@@ -134,8 +134,8 @@ def read_committed(storage: Storage, listing: dict[str, int | None] | None = Non
             problems.append(str(exc))
             continue
         if problems:
-            warnings.warn(f"{storage.url}: using {name}; skipped newer manifests: " + "; ".join(problems),
-                          stacklevel=3)
+            warn(f"{storage.url}: using {name}; skipped newer manifests: " + "; ".join(problems),
+                 SkippedCheckpointWarning)
         return m
     raise CorruptCheckpointError(f"no valid manifest in {storage.url}: " + "; ".join(problems))
 
@@ -349,8 +349,8 @@ def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = Tru
         error = exc
     _agree_or_undo(group, error, f"loading {storage.url}", planner)
     if planner.problems:
-        warnings.warn(f"loaded {storage.url} with strict=False; not loaded:\n  "
-                      + "\n  ".join(planner.problems), stacklevel=3)
+        warn(f"loaded {storage.url} with strict=False; not loaded:\n  " + "\n  ".join(planner.problems),
+             PartialLoadWarning)
     try:
         TensorReader(storage, manifest, verify).run(planner.reads)
         build()

@@ -17,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .errors import CleanupWarning, warn
 from .checksum import BLOCK_SIZE, checksum
 from .datafile import WrittenPiece, plan_layout, write_data_file
 from .incremental import ChunkDigest, Source, Stored, chunk_key, digest_pieces, plan_reuse, reuse_index
@@ -381,8 +381,7 @@ def retire_replaced(storage: Storage, old: Manifest | None, manifest: Manifest) 
         spare = shared_by_siblings(storage) if old.version >= 2 else set()
         retire(storage, keep=manifest, spare=spare)
     except OSError as exc:  # committed; leftovers are garbage for gc, not an error
-        warnings.warn(f"saved {storage.url}, but removing the replaced version failed: {exc}",
-                      stacklevel=4)
+        warn(f"saved {storage.url}, but removing the replaced version failed: {exc}", CleanupWarning)
 
 
 def remove_quietly(storage: Storage, names: list[str]) -> None:

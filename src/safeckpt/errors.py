@@ -57,3 +57,52 @@ class SaveAbortedError(CheckpointError, RuntimeError):
     def __init__(self, message: str, errors: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.errors = dict(errors or {})
+
+
+# --------------------------------------------------------------------------- warnings
+
+
+class SafeckptWarning(UserWarning):
+    """Base of every warning safeckpt issues (filter them all with this class)."""
+
+
+class SkippedCheckpointWarning(SafeckptWarning):
+    """A checkpoint, or a newer manifest of one, was passed over (torn, corrupt,
+    incomplete); the message names each and the one used instead."""
+
+
+class CleanupWarning(SafeckptWarning):
+    """A save or export ended as it should, but removing what it replaced or left
+    failed: garbage that ``gc`` removes later, never a lost checkpoint."""
+
+
+class ForeignRunWarning(SafeckptWarning):
+    """The run root holds checkpoints of another run, which this one leaves alone."""
+
+
+class PartialLoadWarning(SafeckptWarning):
+    """A ``strict=False`` load left parts of the state as they were."""
+
+
+class ReplicationWarning(SafeckptWarning):
+    """Copying a checkpoint to the durable tier failed; the local copy is intact."""
+
+
+class WeakStorageWarning(SafeckptWarning):
+    """The storage lacks a capability a guarantee rests on (exclusive create for the
+    writer lease); the message says what does not hold."""
+
+
+def warn(message: str, category: type[SafeckptWarning]) -> None:
+    """Issue a warning that points at the first frame outside safeckpt, whatever the
+    depth of the call and on any thread (hand-counted stack levels were wrong on the
+    background threads of async saves and replication)."""
+    import os
+    import sys
+    import warnings
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

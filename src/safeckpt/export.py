@@ -31,13 +31,13 @@ import re
 import struct
 import secrets
 import tempfile
-import warnings
 import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from .errors import CleanupWarning, warn
 from . import codec as _codec
 from . import torchzip
 from .checkpoint import CheckpointInfo, read_committed
@@ -316,8 +316,8 @@ class _Output:
             try:  # until publish, an old output under the final names stays as it was
                 self.storage.delete(sorted({written for written, _ in self.pending} | set(self.placed)))
             except CheckpointError as cleanup:  # the export's own error matters more
-                warnings.warn(f"export to {self.storage.url} failed and removing its files failed too: {cleanup}",
-                              stacklevel=2)
+                warn(f"export to {self.storage.url} failed and removing its files failed too: {cleanup}",
+                     CleanupWarning)
 
 
 def _write(storage: Storage, name: str, parts: Iterable[bytes | memoryview]) -> int:

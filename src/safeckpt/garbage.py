@@ -18,7 +18,7 @@ collection running meanwhile sees one or the other.
 from __future__ import annotations
 
 import time
-import warnings
+from .errors import SkippedCheckpointWarning, warn
 from .checkpoint import read_committed
 from .commit import DATA_RE
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
@@ -127,8 +127,8 @@ def collect(root: Storage, *, min_age_s: float | None = None, dry_run: bool = Fa
         try:
             committed.append(read_committed(root.child(name)))
         except UnsupportedFormatError:
-            warnings.warn(f"{root.url}/{name} was written by a newer safeckpt and may share data with "
-                          "other checkpoints: garbage collection skipped; upgrade safeckpt", stacklevel=3)
+            warn(f"{root.url}/{name} was written by a newer safeckpt and may share data with other "
+                 "checkpoints: garbage collection skipped; upgrade safeckpt", SkippedCheckpointWarning)
             return removed
         except (CheckpointNotFoundError, CorruptCheckpointError):
             continue

@@ -16,9 +16,9 @@ import re
 import socket
 import time
 import uuid
-import warnings
 from dataclasses import asdict, dataclass
 
+from .errors import WeakStorageWarning, warn
 from .errors import CheckpointExistsError
 from .storage import Storage
 
@@ -78,9 +78,9 @@ class WriterLease:
         not enforced (``Storage.exclusive_create`` false), two jobs starting at the same
         moment could both take it, which is said once in a warning."""
         if not self.storage.exclusive_create:
-            warnings.warn(f"{self.storage.url}: this storage cannot create files exclusively, so the "
-                          "writer lease cannot keep two jobs that start at the same moment apart; "
-                          "run one job per checkpoint root", stacklevel=4)
+            warn(f"{self.storage.url}: this storage cannot create files exclusively, so the writer "
+                 "lease cannot keep two jobs that start at the same moment apart; run one job per "
+                 "checkpoint root", WeakStorageWarning)
         epoch, holder = self.current()
         if holder is not None and holder.token != self.me.token and holder.alive_here():
             raise CheckpointExistsError(

@@ -13,9 +13,9 @@ from concurrent.futures import Future
 import threading
 import time
 import uuid
-import warnings
 from typing import Any
 
+from .errors import CleanupWarning, ForeignRunWarning, SkippedCheckpointWarning, warn
 from . import garbage
 from .asyncsave import AsyncSaver, SaveFuture, background_group
 from .checkpoint import CheckpointInfo, load, read_committed, retire, save_request
@@ -29,7 +29,7 @@ from .retention import Retention
 from .storage import Storage
 from .storage import open as open_storage
 
-log = logging.getLogger("safeckpt")
+log = logging.getLogger(__name__)
 
 
 def step_folder(step: int) -> str:
@@ -238,8 +238,7 @@ class CheckpointManager:
                          fenced=self._replicator is None)
             garbage.collect(self.save_root, incomplete=False)
         except OSError as exc:  # the save is committed; a failed cleanup is not its error
-            warnings.warn(f"saved step {info.step}, but cleaning up older checkpoints failed: {exc}",
-                          stacklevel=3)
+            warn(f"saved step {info.step}, but cleaning up older checkpoints failed: {exc}", CleanupWarning)
         if self._replicator is not None:
             self._replicator.submit(step_folder(info.step))
 
@@ -274,9 +273,8 @@ class CheckpointManager:
         others = sorted(s for s, m in committed.items() if m.run_id != self.run_id)
         if others and not self._warned_foreign:
             self._warned_foreign = True
-            warnings.warn(f"{root.url} holds checkpoints of another run (steps {others}); "
-                          "retention leaves them alone. Call restore() to continue that run, or "
-                          "delete them yourself", stacklevel=4)
+            warn(f"{root.url} holds checkpoints of another run (steps {others}); retention leaves "
+                 "them alone. Call restore() to continue that run, or delete them yourself", ForeignRunWarning)
         keep = retention.keep(mine, protect={just_saved, *protect} if just_saved is not None else set(protect))
         doomed = sorted(s for s in mine if s not in keep and s != max(committed))
         if doomed and fenced:
@@ -362,8 +360,8 @@ class CheckpointManager:
                 failed = True
                 continue
             if skipped:
-                warnings.warn(f"restored step {candidate} from {root.url}; skipped:\n  "
-                              + "\n  ".join(skipped), stacklevel=2)
+                warn(f"restored step {candidate} from {root.url}; skipped:\n  " + "\n  ".join(skipped),
+                     SkippedCheckpointWarning)
             log.info("restored step %d from %s", candidate, root.url)
             self.run_id = detail or self.run_id
             if tier == 0 and self._replicator is not None and self.group.rank == 0 \
@@ -378,8 +376,8 @@ class CheckpointManager:
             raise CheckpointNotFoundError(f"no committed checkpoint of step {step} in {where}"
                                           + "".join(f"; {s}" for s in skipped))
         if skipped:
-            warnings.warn(f"no committed checkpoint in {where}; skipped:\n  " + "\n  ".join(skipped),
-                          stacklevel=2)
+            warn(f"no committed checkpoint in {where}; skipped:\n  " + "\n  ".join(skipped),
+                 SkippedCheckpointWarning)
         return None
 
     def _candidates(self, step: int | None) -> list[tuple[int, int, str, str | None]]:
@@ -395,7 +393,7 @@ class CheckpointManager:
             listings.append(rows)
         rows, notes = tier_candidates(listings, [t.url for t in self.tiers])
         if notes:
-            warnings.warn("restore: " + "; ".join(notes), stacklevel=4)
+            warn("restore: " + "; ".join(notes), SkippedCheckpointWarning)
         return rows
 
     def _load(self, state: dict, root: Storage, step: int, strict: bool) -> None:

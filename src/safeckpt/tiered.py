@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 from typing import Any, Callable, Iterator
 
+from .errors import ReplicationWarning, warn
 from .checksum import RunningChecksum, matches
 from .checkpoint import read_committed
 from .commit import DATA_RE
@@ -23,7 +23,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointE
 from .manifest import Manifest, manifest_name, manifest_seq, root_path
 from .storage import Storage
 
-log = logging.getLogger("safeckpt")
+log = logging.getLogger(__name__)
 COPY_BLOCK = 16 << 20
 
 
@@ -180,8 +180,8 @@ class Replicator:
                 with self._lock:
                     self._error = exc
                 log.error("replicating %s to %s failed: %s", folder, self.durable.url, exc)
-                warnings.warn(f"replicating {folder} to {self.durable.url} failed (the local copy is "
-                              f"intact; the next save retries): {exc}", stacklevel=1)
+                warn(f"replicating {folder} to {self.durable.url} failed (the local copy is intact; the "
+                     f"next save retries): {exc}", ReplicationWarning)
             except BaseException as exc:  # the thread is told to die (a simulated crash): stop
                 with self._lock:
                     self._error, self._pending, self._busy, self._thread = exc, None, None, None

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -23,6 +22,7 @@ from typing import Any, Callable
 from .errors import CleanupWarning, warn
 from .checksum import BLOCK_SIZE, checksum
 from .datafile import WrittenPiece, plan_layout, write_data_file
+from .names import DATA_RE, data_file_name  # noqa: F401
 from .incremental import ChunkDigest, Source, Stored, chunk_key, digest_pieces, plan_reuse, reuse_index
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError,
                      UnsupportedFormatError)
@@ -75,11 +75,6 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-DATA_RE = re.compile(r"data-([0-9a-f]+)-r([0-9]{5,})\.safetensors", re.ASCII)
-
-
-def data_file_name(save_id: str, rank: int) -> str:
-    return f"data-{save_id}-r{rank:05d}.safetensors"
 
 
 class SaveRun:

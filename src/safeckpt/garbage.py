@@ -23,9 +23,9 @@ from .checkpoint import read_committed
 from .commit import DATA_RE
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
 from .manifest import STEP_RE, Manifest, decode_manifest, is_shared, manifest_seq, shared_location
+from .names import RETIRED  # noqa: F401
 from .storage import Storage
 
-RETIRED = "safeckpt-retired"  # a retired checkpoint folder that still holds shared data
 
 
 def shared_files(manifests: "dict[str, Manifest] | list[Manifest]") -> dict[str, set[str]]:

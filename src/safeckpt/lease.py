@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import time
 import uuid
@@ -20,13 +19,9 @@ from dataclasses import asdict, dataclass
 
 from .errors import WeakStorageWarning, warn
 from .errors import CheckpointExistsError
+from .names import LEASE_RE, lease_name
 from .storage import Storage
 
-LEASE_RE = re.compile(r"safeckpt-writer-([0-9]{9,})\.json", re.ASCII)
-
-
-def lease_name(epoch: int) -> str:
-    return f"safeckpt-writer-{epoch:09d}.json"
 
 
 @dataclass

@@ -24,7 +24,8 @@ from .tiered import Replicator, tier_candidates
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
 from .group import SingleGroup, TorchGroup, resolve
 from .lease import WriterLease
-from .manifest import STEP_RE, Manifest
+from .manifest import Manifest
+from .names import STEP_RE, step_folder
 from .retention import Retention
 from .storage import Storage
 from .storage import open as open_storage
@@ -32,9 +33,6 @@ from .storage import open as open_storage
 log = logging.getLogger(__name__)
 
 
-def step_folder(step: int) -> str:
-    """Zero-padded so names sort like numbers: ``step-000000100``."""
-    return f"step-{step:09d}"
 
 
 class CheckpointManager:

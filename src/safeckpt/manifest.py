@@ -17,27 +17,15 @@ from typing import Any
 from . import codec
 from .checksum import ALGORITHM, BLOCK_SIZE, checksum, is_checksum
 from .errors import CorruptCheckpointError, UnsupportedFormatError
+from .names import MANIFEST_RE, STEP_RE, is_shared, manifest_name, manifest_seq, root_path, shared_location  # noqa: F401
 from .plan import PlanError, check_coverage
 from .tensors import dtype_from_name, is_shape, nbytes_of
 
 FORMAT_VERSION = 2  # 2: incremental manifests (files of sibling checkpoints, xxh3_128 chunks)
-MANIFEST_RE = re.compile(r"manifest-([0-9]{6,})\.json", re.ASCII)
-STEP_RE = re.compile(r"step-([0-9]{9,})", re.ASCII)  # a CheckpointManager's checkpoint folder
 _PREFIX = b'{"safeckpt":'
 _SUFFIX_START = b',"checksum":"' + ALGORITHM.encode() + b":"
 _SUFFIX_LEN = len(_SUFFIX_START) + 16 + len(b'"}\n')
 _SAFE_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=@,-]*", re.ASCII)
-
-
-def manifest_name(seq: int) -> str:
-    """``manifest-000001.json`` for sequence number 1."""
-    return f"manifest-{seq:06d}.json"
-
-
-def manifest_seq(name: str) -> int | None:
-    """The sequence number in a manifest file name, or None for other names."""
-    m = MANIFEST_RE.fullmatch(name)
-    return int(m.group(1)) if m else None
 
 
 def check_relpath(name: object, where: str, siblings: bool = False) -> str:
@@ -57,22 +45,6 @@ def check_relpath(name: object, where: str, siblings: bool = False) -> str:
         if part in ("", ".", "..") or not _SAFE_PART.fullmatch(part):
             raise CorruptCheckpointError(f"{where}: file name {name!r} leaves the checkpoint folder or is not allowed")
     return name
-
-
-def is_shared(name: str) -> bool:
-    """True for a file of a sibling checkpoint (``../<folder>/<file>``)."""
-    return name.startswith("../")
-
-
-def shared_location(name: str) -> tuple[str, str]:
-    """(sibling folder, file name) of a shared file ``../<folder>/<file>``."""
-    _, folder, file = name.split("/", 2)
-    return folder, file
-
-
-def root_path(folder: str, name: str) -> str:
-    """A file named by the manifest in ``folder``, as a path from the run root."""
-    return name[3:] if is_shared(name) else f"{folder}/{name}"
 
 
 @dataclass

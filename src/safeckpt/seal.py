@@ -17,7 +17,6 @@ checkpoint that covers both the tensors and the other tool's files.
 
 from __future__ import annotations
 
-import errno
 import os
 import time
 
@@ -25,16 +24,14 @@ import time
 from .checkpoint import CheckpointInfo, new_save_id, plain_values, retire
 from .checksum import BLOCK_SIZE, file_checksum
 from .commit import DATA_RE, read_existing, write_manifest
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .manifest import (FileEntry, Manifest, check_relpath, encode_values, is_shared,
                        manifest_seq)
 from .storage import Storage
 from .storage import open as open_storage
-from .storage.local import LocalStorage, fsync_folder
 
 __all__ = ["seal"]
 
-_NO_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES, errno.EPERM, errno.EISDIR}
 
 
 def _list_files(storage: Storage, prefix: str = "") -> dict[str, int]:
@@ -56,34 +53,6 @@ def _checksum_of(storage: Storage, name: str, size: int) -> str:
         raise CorruptCheckpointError(
             f"{storage.url}/{name} shrank while it was being sealed ({exc}); is another "
             "process still writing into this folder?") from exc
-
-
-def _make_durable(storage: Storage, names: list[str]) -> None:
-    """fsync the files (and their folders) the manifest will vouch for: the other tool
-    may not have. Object stores need nothing (a PUT is durable when it returns)."""
-    if not isinstance(storage, LocalStorage):
-        return
-    fs = storage.fs
-    folders = {storage.path}
-    for name in names:
-        path = os.path.join(storage.path, *name.split("/"))
-        folders.add(os.path.dirname(path))
-        try:
-            fd = fs.open(path, os.O_RDONLY)
-        except OSError as exc:
-            raise StorageError(f"cannot open {path} to seal it: {exc}") from exc
-        try:
-            fs.fsync(fd)
-        except OSError as exc:
-            if exc.errno not in _NO_FSYNC:  # e.g. Windows refuses fsync of a read-only handle
-                raise StorageError(f"cannot sync {path} before sealing it: {exc}") from exc
-        finally:
-            fs.close(fd)
-    for folder in sorted(folders, key=len, reverse=True):
-        try:
-            fsync_folder(folder, fs)
-        except OSError as exc:
-            raise StorageError(f"cannot sync folder {folder} before sealing it: {exc}") from exc
 
 
 def _foreign(name: str) -> bool:
@@ -136,7 +105,7 @@ def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None
                         f"cannot seal {storage.url}: its committed manifest names {f.name} with "
                         f"{f.size} bytes, the folder has {listing.get(f.name)}")
                 files[f.name] = f
-    _make_durable(storage, names)
+    storage.sync(names)
     for name in names:
         files[name] = FileEntry(name, listing[name], checksum=_checksum_of(storage, name, listing[name]))
     after = {n: s for n, s in _list_files(storage).items() if n in files}

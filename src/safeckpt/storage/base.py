@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from typing import Iterable
 
 from ..errors import StorageError
+from ..names import is_shared, shared_location
 
 Buffer = bytes | bytearray | memoryview
 
@@ -48,6 +49,11 @@ class Storage(ABC):
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``name`` from ``offset``; short files raise."""
 
+    def sync(self, names: Iterable[str]) -> None:
+        """Make files that already exist (another tool wrote them) durable, with their
+        folders, before a manifest vouches for them. Object stores need nothing: an
+        object is durable when its PUT returns."""
+
     @abstractmethod
     def listdir(self) -> dict[str, int | None]:
         """Entries directly in this folder: file name -> size, sub-folder -> None.
@@ -74,8 +80,8 @@ class Storage(ABC):
     def locate(self, name: str) -> tuple["Storage", str]:
         """The folder and name of a file a manifest names: ``../<folder>/<file>`` is a file
         of a sibling checkpoint (written by an earlier save of an incremental run)."""
-        if name.startswith("../"):
-            _, folder, file = name.split("/", 2)
+        if is_shared(name):
+            folder, file = shared_location(name)
             return self.parent().child(folder), file
         return self, name
 

@@ -238,6 +238,28 @@ class LocalStorage(Storage):
                     "True} for a folder made of links)") from exc
             raise storage_error(exc, "read", path) from exc
 
+    def sync(self, names: Iterable[str]) -> None:
+        folders = {self.path}
+        for name in names:
+            path = self._full(name)
+            folders.add(os.path.dirname(path))
+            try:
+                fd = self.fs.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            except OSError as exc:
+                raise storage_error(exc, "open", path) from exc
+            try:
+                self.fs.fsync(fd)
+            except OSError as exc:
+                if exc.errno not in _NO_DIR_FSYNC:  # Windows refuses fsync of a read-only handle
+                    raise storage_error(exc, "sync", path) from exc
+            finally:
+                self.fs.close(fd)
+        for folder in sorted(folders, key=len, reverse=True):
+            try:
+                fsync_folder(folder, self.fs)
+            except OSError as exc:
+                raise storage_error(exc, "sync the folder", folder) from exc
+
     def listdir(self) -> dict[str, int | None]:
         follow = self.follow_symlinks
         out: dict[str, int | None] = {}

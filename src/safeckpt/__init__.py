@@ -1,21 +1,37 @@
-"""safeckpt: crash-safe, storage-agnostic, distributed and fast checkpoints for PyTorch."""
+"""safeckpt: crash-safe, storage-agnostic, distributed and fast checkpoints for PyTorch.
 
+The names below are imported on first use (PEP 562), so ``import safeckpt`` and the
+``safeckpt`` command start without importing torch where they do not need it."""
+
+from __future__ import annotations
+
+import importlib
 import logging
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .asyncsave import SaveFuture, async_save
-from .checkpoint import CheckpointInfo, VerifyReport, load, load_state, save, verify
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CleanupWarning,
                      CorruptCheckpointError, ForeignRunWarning, PartialLoadWarning, ReplicationWarning,
                      SafeckptWarning, SaveAbortedError, SkippedCheckpointWarning, StateMismatchError,
                      StorageError, UnsafeObjectError, UnsupportedFeatureError, UnsupportedFormatError,
                      WeakStorageWarning)
-from .manager import CheckpointManager
-from .seal import seal
-from .shards import RankLocal, Shard
+
+if TYPE_CHECKING:
+    from .asyncsave import SaveFuture, async_save
+    from .checkpoint import CheckpointInfo, VerifyReport, load, load_state, save, verify
+    from .manager import CheckpointManager
+    from .seal import seal
+    from .shards import RankLocal, Shard
 
 # loggers are named by module under "safeckpt"; nothing is printed unless the application says so
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+_LAZY = {
+    "save": "checkpoint", "load": "checkpoint", "load_state": "checkpoint", "verify": "checkpoint",
+    "CheckpointInfo": "checkpoint", "VerifyReport": "checkpoint", "async_save": "asyncsave",
+    "SaveFuture": "asyncsave", "CheckpointManager": "manager", "seal": "seal", "Shard": "shards",
+    "RankLocal": "shards",
+}
 
 __all__ = [
     "__version__", "save", "async_save", "load", "load_state", "verify", "CheckpointInfo",
@@ -26,3 +42,22 @@ __all__ = [
     "SafeckptWarning", "SkippedCheckpointWarning", "CleanupWarning", "ForeignRunWarning",
     "PartialLoadWarning", "ReplicationWarning", "WeakStorageWarning",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The public API (and submodules such as ``safeckpt.storage``), imported when first used."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    else:
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,186 @@
+"""DeepSpeed ZeRO 1, 2 and 3 with safeckpt's checkpoint engine, on 2 real gloo ranks
+(DeepSpeed's CPU accelerator), SIGKILLed at random moments during save_checkpoint.
+
+The ranks run scenarios of tests/helpers/ds_worker.py, forked from a server that
+imported torch and deepspeed once, so a kill costs a fork and ``deepspeed.initialize``
+(about 3 s), not two fresh interpreters. After every kill this process checks what is
+on disk: ``latest`` names a committed tag, every committed tag verifies, the newest one
+is the save that last returned or the one in flight; the next launch resumes from it,
+from a different random model. The last launch runs to the end, and its weights must
+equal bit for bit those of a run that was never interrupted.
+
+DeepSpeed's CPU accelerator compiles a small shared-memory extension the first time
+(about 35 s on an idle machine, minutes on a busy one; cached in
+~/.cache/torch_extensions): the ``shm_extension`` fixture builds it once, before any
+rank starts, so no launch times out on it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+deepspeed = pytest.importorskip("deepspeed")
+torch = pytest.importorskip("torch")
+
+import safeckpt  # noqa: E402
+import dist_worker as dw  # noqa: E402
+import ds_worker  # noqa: E402
+from safeckpt.integrations import deepspeed as sds  # noqa: E402
+from safeckpt.storage import LocalStorage  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+SRC = str(Path(safeckpt.__file__).resolve().parent.parent)
+RUN_ENV = {"SAFECKPT_TIMEOUT": "20", "DIST_WORKER_STEP_TIMEOUT": "60"}
+SEED = 20261201
+KILLS = {1: 3, 2: 4, 3: 3}          # 10 kills in the default suite
+SLOW_KILLS = {1: 10, 2: 10, 3: 10}
+KEEP_LAST = 3
+
+
+@pytest.fixture(scope="module")
+def shm_extension():
+    """DeepSpeed's CPU shared-memory op, compiled here once (or found in the cache)."""
+    from deepspeed.accelerator import get_accelerator
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        builder.load()
+
+
+@pytest.fixture(scope="module")
+def server(shm_extension):
+    srv = ds_worker.DeepSpeedForkServer(SRC, env=RUN_ENV)
+    yield srv
+    srv.close()
+
+
+class Runs:
+    """Launches of 2 ranks, each with its own output folder, all saving under ``root``."""
+
+    def __init__(self, server, tmp: Path) -> None:
+        self.server, self.tmp, self.count = server, tmp, 0
+        self.root = tmp / "ckpt"
+        self.root.mkdir()
+
+    def _out(self) -> Path:
+        self.count += 1
+        return self.tmp / f"launch{self.count}"
+
+    def run(self, scenarios: list[str], opts: dict, timeout: float = 120.0) -> dw.Launch:
+        return self.server.launch(2, scenarios, self.root, self._out(), timeout=timeout, opts=opts)
+
+    def killed(self, opts: dict, delay: float) -> tuple[dw.Launch, Path]:
+        """Start ``ds_run``, SIGKILL both ranks ``delay`` seconds after rank 0 began its
+        first save."""
+        out = self._out()
+        out.mkdir()
+        t0 = time.monotonic()
+        pids = self.server.request(cmd="launch", world=2, port=dw.free_port(), out=str(out), root=str(self.root),
+                                   scenarios=["ds_run"], env={}, opts=opts, limit_s=118)["pids"]
+        deadline = time.monotonic() + 90
+        while not ds_worker.read_progress(out / "progress-r0")["begin"]:
+            assert time.monotonic() < deadline, f"no save began within 90 s:\n{(out / 'rank0.log').read_text()[-3000:]}"
+            time.sleep(0.005)
+        time.sleep(delay)
+        for pid in random.Random(delay).sample(pids, len(pids)):
+            os.kill(pid, signal.SIGKILL)
+        reply = self.server.request(cmd="wait", pids=pids, timeout=30)
+        return dw.Launch(2, out, ["ds_run"], reply["status"], reply["timed_out"], time.monotonic() - t0, pids), out
+
+
+def committed(folder: Path) -> list[sds.Tag]:
+    return sds.scan(LocalStorage(folder))[0]
+
+
+def check_disk(folder: Path) -> int | None:
+    """The invariants after a kill; returns the newest committed step."""
+    tags = committed(folder)
+    latest = folder / sds.LATEST
+    if latest.exists():
+        name = latest.read_text()
+        assert name in {t.folder for t in tags}, f"latest names {name!r}, which is not committed: {tags}"
+    for t in tags:
+        report = safeckpt.verify(folder / t.folder)
+        assert report.ok, f"committed tag {t.folder} does not verify: {report.problems}"
+    assert len({t.tag for t in tags}) <= KEEP_LAST + 1, [t.folder for t in tags]
+    return tags[0].manifest.step if tags else None
+
+
+def kill_and_resume(runs: Runs, stage: int, kills: int, rng: random.Random) -> None:
+    folder = runs.root / f"zero{stage}"
+    newest = None
+    for i in range(kills):
+        opts = {"stage": stage, "seed": 100 + i, "keep_last": KEEP_LAST}
+        launch, out = runs.killed(opts, rng.uniform(0.0, 0.5))
+        assert all(st["signal"] == signal.SIGKILL for st in launch.status), (
+            f"a rank ended before the kill:\n{launch.describe()}")
+        progress = ds_worker.read_progress(out / "progress-r0")
+        assert progress["resumed"] == [newest or 0], (progress, newest)
+        in_flight = progress["begin"][-1] if len(progress["begin"]) > len(progress["done"]) else None
+        allowed = {progress["done"][-1] if progress["done"] else newest, in_flight}
+        found = check_disk(folder)
+        assert found in allowed, f"newest committed step {found}; last save returned {progress['done'][-1:]}, " \
+                                 f"in flight {in_flight}"
+        newest = found
+    # a new random model when it resumes; the first launch's when nothing was committed
+    final = runs.run(["ds_run", "ds_reference"], {"stage": stage, "seed": 7 if newest else 100,
+                                                  "first_seed": 100, "keep_last": KEEP_LAST})
+    (got,), (want,) = final.results("ds_run", [0]), final.results("ds_reference", [0])
+    assert got["resumed"] == (newest or 0)
+    assert got["steps"] == ds_worker.TOTAL_STEPS
+    assert got["digest"] == want["digest"], f"ZeRO-{stage}: resumed from step {newest}, not bit-exact"
+    check_disk(folder)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sigkill_during_save_resume_bit_exact(server, tmp_path, stage):
+    kill_and_resume(Runs(server, tmp_path), stage, KILLS[stage], random.Random(SEED + stage))
+    # DeepSpeed's own recovery script reads the committed tag that latest names
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    folder = tmp_path / "ckpt" / f"zero{stage}"
+    assert (folder / "latest").read_text() == f"global_step{ds_worker.TOTAL_STEPS}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(str(folder))
+    final = torch.load(tmp_path / "ckpt" / f"zero{stage}-final.pt")
+    assert sorted(fp32) == sorted(final)
+    assert all(torch.equal(fp32[k], final[k]) for k in final)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sigkill_during_save_many(server, tmp_path, stage):
+    kill_and_resume(Runs(server, tmp_path), stage, SLOW_KILLS[stage], random.Random(SEED + 10 * stage))
+
+
+def test_rank_raises_inside_save(server, tmp_path):
+    runs = Runs(server, tmp_path)
+    data = runs.run(["ds_rank_raises"], {"stage": 2}).results("ds_rank_raises")
+    for rank, d in enumerate(data):
+        failed = d["failed"]
+        assert failed["is_save_aborted"], (rank, failed)
+        assert "rank(s) 1" in failed["message"] and "No space left" in failed["message"], failed["message"]
+        assert d["after"] == d["before"], f"rank {rank}: the failed save changed the folder"
+        assert d["retry"]["raised"] is None, d["retry"]
+    folder = runs.root / "raise2"
+    assert [t.tag for t in committed(folder)] == ["global_step2", "global_step1"]
+    assert (folder / "latest").read_text() == "global_step2"
+
+
+def test_kill_between_commit_and_latest(server, tmp_path):
+    runs = Runs(server, tmp_path)
+    launch = runs.run(["ds_kill_before_latest"], {"stage": 2}, timeout=60)
+    assert launch.status[0]["signal"] == signal.SIGKILL, launch.describe()
+    folder = runs.root / "latest2"
+    assert (folder / "latest").read_text() == "global_step1"   # the commit of step 2 happened, latest did not move
+    assert [t.tag for t in committed(folder)] == ["global_step2", "global_step1"]
+    resumed = runs.run(["ds_resume_once"], {"stage": 2, "folder": "latest2"}).results("ds_resume_once")
+    assert [r["steps"] for r in resumed] == [2, 2]   # the newest committed tag, not what latest says

@@ -244,6 +244,16 @@ class SafeCheckpointEngine(CheckpointEngine):
         self._save: _Save | None = None
         self._loading: dict[str, Manifest] = {}  # folder path -> its manifest, during load_checkpoint
 
+    def begin(self, save_latest: bool, step: int | None) -> None:
+        """``save_checkpoint`` is starting (the wrapped one calls this; DeepSpeed itself is
+        told ``save_latest=False``: ``latest`` moves in ``commit``)."""
+        self._pending = (save_latest, step)
+        self._save = None
+
+    def end(self) -> None:
+        self._pending = None
+        self._save = None
+
     # -- DeepSpeed's calls, in order -----------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
         """Every rank, at the start of a save: rank 0 decides where the files go."""
@@ -397,12 +407,15 @@ class SafeCheckpointEngine(CheckpointEngine):
         self._tidy(s)
 
     def _tidy(self, s: _Save) -> None:
-        """Rank 0, after a commit: staging folders of killed or finished re-saves, then
-        tags beyond ``keep_last`` (only committed ones this engine wrote)."""
+        """Rank 0, after a commit: temporary files and staging folders of killed or
+        finished re-saves, then tags beyond ``keep_last`` (only committed ones this
+        engine wrote)."""
         root = s.root
         tags, _ = scan(root)
         real = {t.tag: t for t in tags if not t.staging}
-        for name, size in root.listdir().items():
+        listing = root.listdir()
+        root.delete([n for n, size in listing.items() if size is not None and _STAGING_RE.fullmatch(n)])
+        for name, size in listing.items():  # (files: temporaries of replace_file that a crash left)
             m = _STAGING_RE.fullmatch(name)
             if size is not None or m is None or name == s.folder:
                 continue
@@ -509,8 +522,7 @@ def install(engine: Any, *, keep_last: int | None = None, storage_options: dict 
 def _wrap_save(engine: Any, ckpt: SafeCheckpointEngine, original: Any) -> Any:
     @functools.wraps(original)
     def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, **kwargs):  # noqa: B006 - DeepSpeed's
-        ckpt._pending = (save_latest, int(engine.global_steps))
-        ckpt._save = None
+        ckpt.begin(save_latest, int(engine.global_steps))
         try:  # DeepSpeed must not write ``latest`` itself: the engine does, after the commit
             return original(save_dir, tag, client_state=client_state, save_latest=False, **kwargs)
         except BaseException as exc:
@@ -518,8 +530,7 @@ def _wrap_save(engine: Any, ckpt: SafeCheckpointEngine, original: Any) -> Any:
                 ckpt._finish(exc)  # this rank failed outside save(): abort the tag on every rank
             raise
         finally:
-            ckpt._pending = None
-            ckpt._save = None
+            ckpt.end()
     return save_checkpoint
 
 

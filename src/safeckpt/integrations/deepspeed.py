@@ -82,7 +82,7 @@ from ..storage import open as open_storage
 from ..storage.local import fsync_folder
 from ..tiered import replicate
 
-__all__ = ["SAFE_GLOBALS", "SafeCheckpointEngine", "install", "committed_tags"]
+__all__ = ["SAFE_GLOBALS", "SafeCheckpointEngine", "committed_tags", "install", "install_on_prepare"]
 
 log = logging.getLogger("safeckpt")
 
@@ -517,6 +517,25 @@ def install(engine: Any, *, keep_last: int | None = None, storage_options: dict 
     engine.load_checkpoint = _wrap_load(ckpt, engine.load_checkpoint)
     engine._copy_recovery_script = _copy_recovery_script
     return engine
+
+
+def install_on_prepare(accelerator: Any, **options: Any) -> None:
+    """Install the engine on every DeepSpeed engine ``accelerator.prepare`` returns from
+    now on (the Hugging Face Trainer prepares its engine and loads a checkpoint into it
+    in one method, with no hook in between). Idempotent."""
+    if getattr(accelerator.prepare, "_safeckpt", False):
+        return
+    prepare = accelerator.prepare
+
+    @functools.wraps(prepare)
+    def prepare_and_install(*args: Any, **kwargs: Any) -> Any:
+        result = prepare(*args, **kwargs)
+        for obj in result if isinstance(result, tuple) else (result,):
+            if isinstance(obj, deepspeed.DeepSpeedEngine):
+                install(obj, **options)
+        return result
+    prepare_and_install._safeckpt = True
+    accelerator.prepare = prepare_and_install
 
 
 def _wrap_save(engine: Any, ckpt: SafeCheckpointEngine, original: Any) -> Any:

@@ -11,7 +11,7 @@ equal bit for bit those of a run that was never interrupted.
 
 DeepSpeed's CPU accelerator compiles a small shared-memory extension the first time
 (about 35 s on an idle machine, minutes on a busy one; cached in
-~/.cache/torch_extensions): the ``shm_extension`` fixture builds it once, before any
+~/.cache/torch_extensions): the ``deepspeed_ops`` fixture (conftest.py) builds it once, before any
 rank starts, so no launch times out on it.
 """
 
@@ -47,16 +47,7 @@ KEEP_LAST = 3
 
 
 @pytest.fixture(scope="module")
-def shm_extension():
-    """DeepSpeed's CPU shared-memory op, compiled here once (or found in the cache)."""
-    from deepspeed.accelerator import get_accelerator
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-        builder.load()
-
-
-@pytest.fixture(scope="module")
-def server(shm_extension):
+def server(deepspeed_ops):
     srv = ds_worker.DeepSpeedForkServer(SRC, env=RUN_ENV)
     yield srv
     srv.close()

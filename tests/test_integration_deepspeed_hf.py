@@ -47,7 +47,7 @@ def child(*args: str, script: str = "ds_trainer_child.py") -> subprocess.Complet
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
+def reference(tmp_path_factory, deepspeed_ops) -> dict:
     folder = tmp_path_factory.mktemp("reference")
     done = child("reference", str(folder / "out"), str(folder / "result.json"))
     assert done.returncode == 0, done.stderr[-4000:]
@@ -88,7 +88,7 @@ def test_safetrainer_zero2_killed_inside_deepspeed_save_resumes_bit_exact(tmp_pa
 
 
 @pytest.fixture(scope="module")
-def accelerate_reference(tmp_path_factory) -> dict:
+def accelerate_reference(tmp_path_factory, deepspeed_ops) -> dict:
     folder = tmp_path_factory.mktemp("accelerate-reference")
     done = child("reference", str(folder / "run"), str(folder / "result.json"), script="ds_accelerate_child.py")
     assert done.returncode == 0, done.stderr[-4000:]

@@ -79,14 +79,16 @@ class Runs:
         pids = self.server.request(cmd="launch", world=2, port=dw.free_port(), out=str(out), root=str(self.root),
                                    scenarios=["ds_run"], env={}, opts=opts, limit_s=118)["pids"]
         deadline = time.monotonic() + 90
-        while not ds_worker.read_progress(out / "progress-r0")["begin"]:
-            assert time.monotonic() < deadline, f"no save began within 90 s:\n{(out / 'rank0.log').read_text()[-3000:]}"
+        while not ds_worker.read_progress(out / "progress-r0")["begin"] and time.monotonic() < deadline:
             time.sleep(0.005)
-        time.sleep(delay)
+        began = bool(ds_worker.read_progress(out / "progress-r0")["begin"])
+        time.sleep(delay if began else 0)
         for pid in random.Random(delay).sample(pids, len(pids)):
             os.kill(pid, signal.SIGKILL)
         reply = self.server.request(cmd="wait", pids=pids, timeout=30)
-        return dw.Launch(2, out, ["ds_run"], reply["status"], reply["timed_out"], time.monotonic() - t0, pids), out
+        launch = dw.Launch(2, out, ["ds_run"], reply["status"], reply["timed_out"], time.monotonic() - t0, pids)
+        assert began, f"no save began within 90 s:\n{launch.describe()}"
+        return launch, out
 
 
 def committed(folder: Path) -> list[sds.Tag]:
@@ -107,11 +109,16 @@ def check_disk(folder: Path) -> int | None:
     return tags[0].manifest.step if tags else None
 
 
-def kill_and_resume(runs: Runs, stage: int, kills: int, rng: random.Random) -> None:
+def kill_and_resume(runs: Runs, stage: int, kills: int, rng: random.Random) -> int:
+    """``kills`` launches SIGKILLed at random moments, then one that trains to the end;
+    returns the last step."""
     folder = runs.root / f"zero{stage}"
     newest = None
     for i in range(kills):
-        opts = {"stage": stage, "seed": 100 + i, "keep_last": KEEP_LAST}
+        # a new random model for each resume; the first model while nothing is committed
+        # (the uninterrupted reference starts from it)
+        opts = {"stage": stage, "seed": 101 + i if newest else 100, "keep_last": KEEP_LAST,
+                "total": 10 ** 6}  # killed, never done
         launch, out = runs.killed(opts, rng.uniform(0.0, 0.5))
         assert all(st["signal"] == signal.SIGKILL for st in launch.status), (
             f"a rank ended before the kill:\n{launch.describe()}")
@@ -124,22 +131,36 @@ def kill_and_resume(runs: Runs, stage: int, kills: int, rng: random.Random) -> N
                                  f"in flight {in_flight}"
         newest = found
     # a new random model when it resumes; the first launch's when nothing was committed
+    total = max(ds_worker.TOTAL_STEPS, (newest or 0) + 5)
     final = runs.run(["ds_run", "ds_reference"], {"stage": stage, "seed": 7 if newest else 100,
-                                                  "first_seed": 100, "keep_last": KEEP_LAST})
+                                                  "first_seed": 100, "keep_last": KEEP_LAST, "total": total})
     (got,), (want,) = final.results("ds_run", [0]), final.results("ds_reference", [0])
     assert got["resumed"] == (newest or 0)
-    assert got["steps"] == ds_worker.TOTAL_STEPS
+    assert got["steps"] == total
+    for rank in range(2):  # every resume brought back exactly the state that was saved at its step
+        records = ds_worker.read_states(runs.root / f"zero{stage}-states-r{rank}")
+        saved: dict[int, set] = {}
+        for what, step, d in records:
+            if what == "saved":
+                saved.setdefault(step, set()).add(d)
+        for what, step, d in records:
+            if what == "loaded":
+                assert d in saved.get(step, ()), f"ZeRO-{stage} rank {rank}: the state loaded at step {step} " \
+                                                  f"was never saved (saved: {saved.get(step)})"
+        assert all(len(v) == 1 for v in saved.values()), \
+            f"ZeRO-{stage} rank {rank}: training is not deterministic: {[k for k, v in saved.items() if len(v) > 1]}"
     assert got["digest"] == want["digest"], f"ZeRO-{stage}: resumed from step {newest}, not bit-exact"
     check_disk(folder)
+    return total
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_sigkill_during_save_resume_bit_exact(server, tmp_path, stage):
-    kill_and_resume(Runs(server, tmp_path), stage, KILLS[stage], random.Random(SEED + stage))
+    total = kill_and_resume(Runs(server, tmp_path), stage, KILLS[stage], random.Random(SEED + stage))
     # DeepSpeed's own recovery script reads the committed tag that latest names
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     folder = tmp_path / "ckpt" / f"zero{stage}"
-    assert (folder / "latest").read_text() == f"global_step{ds_worker.TOTAL_STEPS}"
+    assert (folder / "latest").read_text() == f"global_step{total}"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fp32 = get_fp32_state_dict_from_zero_checkpoint(str(folder))

@@ -54,13 +54,13 @@ def reference(tmp_path_factory, deepspeed_ops) -> dict:
     return json.loads((folder / "result.json").read_text())
 
 
-def kill_then_resume(tmp_path: Path, point: str, reference: dict) -> Path:
+def kill_then_resume(tmp_path: Path, point: str, reference: dict, kind: str = "safe") -> Path:
     out = tmp_path / "out"
-    killed = child("killed", str(out), point)
+    killed = child("killed", str(out), point, kind)
     assert killed.returncode == -9, f"not killed (exit {killed.returncode}):\n{killed.stderr[-4000:]}"
     with pytest.warns(UserWarning, match="checkpoint-6"):
         assert hf.last_checkpoint(out) == str(out / "checkpoint-4")
-    resumed = child("resume", str(out), str(tmp_path / "result.json"))
+    resumed = child("resume", str(out), str(tmp_path / "result.json"), kind)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     got = json.loads((tmp_path / "result.json").read_text())
     assert got["step"] == 8
@@ -85,6 +85,14 @@ def test_safetrainer_zero2_killed_before_seal_resumes_bit_exact(tmp_path, refere
 @pytest.mark.slow
 def test_safetrainer_zero2_killed_inside_deepspeed_save_resumes_bit_exact(tmp_path, reference):
     kill_then_resume(tmp_path, "tag", reference)
+
+
+@pytest.mark.slow
+def test_callback_with_deepspeed_killed_before_seal_resumes_bit_exact(tmp_path, reference):
+    """A plain Trainer with SafeCheckpointCallback: DeepSpeed writes global_stepN/ itself
+    (the callback cannot reach the engine), the callback seals checkpoint-N."""
+    out = kill_then_resume(tmp_path, "seal", reference, kind="callback")
+    assert safeckpt.verify(str(out / "checkpoint-8")).ok
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,12 @@
 """One Hugging Face ``SafeTrainer`` run with DeepSpeed ZeRO-2 on the CPU accelerator
 (``use_cpu=True``, one process), for tests/test_integration_deepspeed_hf.py.
 
-    python ds_trainer_child.py killed OUT POINT   # SIGKILLs itself during the save of step KILL_AT
-    python ds_trainer_child.py resume OUT RESULT  # resumes from last_checkpoint(OUT), model seed 1234
+    python ds_trainer_child.py killed OUT POINT [KIND]   # SIGKILLs itself during the save of step KILL_AT
+    python ds_trainer_child.py resume OUT RESULT [KIND]  # resumes from last_checkpoint(OUT), model seed 1234
     python ds_trainer_child.py reference OUT RESULT
+
+KIND is ``safe`` (``SafeTrainer``, the default) or ``callback`` (a plain ``Trainer``
+with ``SafeCheckpointCallback``).
 
 A tiny GPT-2 built from a config (no download) trains STEPS steps on generated tokens,
 saving every SAVE_EVERY steps. Kill points: ``tag`` (inside DeepSpeed's
@@ -36,11 +39,11 @@ def _single_process_env() -> None:
                        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "DS_ACCELERATOR": "cpu"})
 
 
-def _trainer(out: str, seed: int):
+def _trainer(out: str, seed: int, kind: str = "safe"):
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-    from safeckpt.integrations.transformers import SafeTrainer
+    from safeckpt.integrations.transformers import SafeCheckpointCallback, SafeTrainer
 
     class Tokens(torch.utils.data.Dataset):
         def __init__(self) -> None:
@@ -59,6 +62,8 @@ def _trainer(out: str, seed: int):
                              logging_steps=1, save_strategy="steps", save_steps=SAVE_EVERY, save_total_limit=2,
                              report_to=[], seed=42, use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
                              deepspeed=DS_CONFIG)
+    if kind == "callback":
+        return Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[SafeCheckpointCallback()])
     return SafeTrainer(model=model, args=args, train_dataset=Tokens())
 
 
@@ -77,7 +82,7 @@ def _die() -> None:
     time.sleep(60)
 
 
-def killed(out: str, point: str) -> None:
+def killed(out: str, point: str, kind: str) -> None:
     from safeckpt.integrations import deepspeed as sds
     from safeckpt.integrations import transformers as hf
 
@@ -97,18 +102,20 @@ def killed(out: str, point: str) -> None:
                 _die()
             return real_seal(path, **kwargs)
         hf.seal = seal
-    _trainer(out, seed=0).train()
+    _trainer(out, seed=0, kind=kind).train()
     raise AssertionError("the run was not killed")
 
 
 def main(argv: list[str]) -> None:
     _single_process_env()
-    mode, out, arg = argv
+    mode, out, arg = argv[:3]
+    kind = argv[3] if len(argv) > 3 else "safe"
     if mode == "killed":
-        killed(out, arg)
+        killed(out, arg, kind)
     elif mode == "resume":
-        t = _trainer(out, seed=1234)
-        t.train(resume_from_checkpoint=True)
+        from safeckpt.integrations.transformers import last_checkpoint
+        t = _trainer(out, seed=1234, kind=kind)
+        t.train(resume_from_checkpoint=True if kind == "safe" else last_checkpoint(out))
         _result(t, arg)
     else:
         t = _trainer(out, seed=0)

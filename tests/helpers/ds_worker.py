@@ -76,6 +76,39 @@ def digest(tensors: dict) -> str:
     return h.hexdigest()
 
 
+def state_digest(engine) -> str:
+    """This rank's part of the training state, the fp32 master weights the optimizer
+    steps and their Adam moments: what a save must bring back exactly (no collective)."""
+    import torch
+    opt = engine.optimizer.optimizer
+    h = hashlib.sha256()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            h.update(p.detach().contiguous().numpy().tobytes())
+            for key, value in sorted(opt.state.get(p, {}).items()):
+                h.update(key.encode())
+                h.update(value.contiguous().numpy().tobytes() if isinstance(value, torch.Tensor)
+                         else repr(value).encode())
+    return h.hexdigest()
+
+
+class States:
+    """``saved STEP DIGEST`` before each save, ``loaded STEP DIGEST`` after a resume, per
+    rank and stage, across launches: the test checks every load against the saves."""
+
+    def __init__(self, ctx: dw.Ctx, stage: int) -> None:
+        self.fd = os.open(ctx.root / f"zero{stage}-states-r{ctx.rank}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def mark(self, what: str, engine) -> None:
+        os.write(self.fd, f"{what} {int(engine.global_steps)} {state_digest(engine)}\n".encode())
+
+
+def read_states(path: Path) -> list[tuple[str, int, str]]:
+    if not path.exists():
+        return []
+    return [(w, int(s), d) for w, s, d in (line.split(" ") for line in path.read_text().split("\n")[:-1])]
+
+
 class Progress:
     """``begin K`` / ``done K`` lines around each save, unbuffered (the test reads them live)."""
 
@@ -108,12 +141,15 @@ def sc_ds_run(ctx: dw.Ctx) -> dict:
     stage, seed = ctx.opts["stage"], ctx.opts["seed"]
     folder = str(ctx.root / f"zero{stage}")
     engine = build(stage, seed, keep_last=ctx.opts.get("keep_last"))
-    progress = Progress(ctx)
+    progress, states = Progress(ctx), States(ctx, stage)
     load_path, client = engine.load_checkpoint(folder)
     resumed = int(engine.global_steps)
+    if resumed:
+        states.mark("loaded", engine)
     progress.mark("resumed", resumed)
 
     def save() -> None:
+        states.mark("saved", engine)
         progress.mark("begin", int(engine.global_steps))
         engine.save_checkpoint(folder, client_state={"launch": seed})
         progress.mark("done", int(engine.global_steps))

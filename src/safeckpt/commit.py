@@ -158,7 +158,7 @@ class SaveRun:
             except Exception as exc:  # rank 0 failed to plan: report it, never hang
                 self.local_error = exc
                 errors = {0: describe_error(exc)}
-        return [Assignment(abort=_summary(self.storage.url, errors), errors=errors)] * size
+        return [Assignment(abort=abort_summary(self.storage.url, errors), errors=errors)] * size
 
     def _assign(self, intents: list[Intent]) -> list[Assignment]:
         _check_agreement(intents)
@@ -185,7 +185,7 @@ class SaveRun:
         if self.group.rank == 0:
             errors = {r: e for r, (_, e) in enumerate(gathered) if e}
             if errors:
-                plans = [Assignment(abort=_summary(self.storage.url, errors), errors=errors)] * self.group.size
+                plans = [Assignment(abort=abort_summary(self.storage.url, errors), errors=errors)] * self.group.size
             else:
                 self.digests = [d for d, _ in gathered]
                 self.writes, self.sources = plan_reuse(self.index, self.digests)
@@ -238,7 +238,7 @@ class SaveRun:
         except Exception as exc:
             self.local_error = exc
             errors = {0: describe_error(exc)}
-        return (_summary(self.storage.url, errors), errors, False)
+        return (abort_summary(self.storage.url, errors), errors, False)
 
     def _build_manifest(self, intents: list[Intent], reports: list[Report], mine: Assignment) -> Manifest:
         tensors: dict[str, TensorEntry] = {}
@@ -349,13 +349,8 @@ def refuse_existing(storage: Storage, old: Manifest | None, max_seq: int,
 def check_visible(storage: Storage, files: list[tuple[int, FileEntry]]) -> None:
     """Rank 0 must see every rank's file (``(rank, entry)``), or the checkpoint could
     never be loaded."""
-    deadline = time.monotonic() + VISIBILITY_WAIT_S
-    while True:
-        listing = storage.listdir()
-        missing = [(r, f) for r, f in files if listing.get(f.name) != f.size]
-        if not missing or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)  # network filesystems may show a new file late
+    unseen = not_visible(storage, {f.name: f.size for _, f in files})
+    missing = [(r, f) for r, f in files if f.name in unseen]
     if missing:
         named = ", ".join(f"rank {r}: {f.name}" for r, f in missing)
         raise SaveAbortedError(
@@ -387,7 +382,19 @@ def remove_quietly(storage: Storage, names: list[str]) -> None:
         pass
 
 
-def _summary(url: str, errors: dict[int, str]) -> str:
+def not_visible(storage: Storage, sizes: dict[str, int]) -> set[str]:
+    """The files of ``sizes`` that ``storage`` does not list with that size, after waiting
+    up to ``VISIBILITY_WAIT_S`` (network filesystems may show a new file late)."""
+    deadline = time.monotonic() + VISIBILITY_WAIT_S
+    while True:
+        listing = storage.listdir()
+        missing = {name for name, size in sizes.items() if listing.get(name) != size}
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.2)
+
+
+def abort_summary(url: str, errors: dict[int, str]) -> str:
     ranks = ", ".join(str(r) for r in sorted(errors))
     lines = "\n  ".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
     return (f"save to {url} aborted on every rank; nothing was committed and the previous "

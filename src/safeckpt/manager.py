@@ -301,6 +301,7 @@ class CheckpointManager:
                 pass
         retire(folder, keep=None, spare=shared)
         if not shared:
+            _remove_empty_folders(folder)
             folder.remove_folder()
         log.info("deleted checkpoint of step %d from %s%s", step, root.url,
                  f" ({len(shared)} shared file(s) kept)" if shared else "")
@@ -459,6 +460,16 @@ def _unwrap_closed(handler: Any) -> Any:
     while getattr(handler, "__func__", None) is CheckpointManager._on_sigterm and handler.__self__._closed:
         handler = handler.__self__._old_handler
     return handler
+
+
+def _remove_empty_folders(folder: Storage) -> None:
+    """Remove the sub-folders of ``folder`` that deleting its files left empty (another
+    tool's checkpoint sealed into it: a DeepSpeed tag under Accelerate)."""
+    for name, size in folder.listdir().items():
+        if size is None:
+            sub = folder.child(name)
+            _remove_empty_folders(sub)
+            sub.remove_folder()
 
 
 def _quietly(fn: Any) -> None:

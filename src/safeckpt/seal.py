@@ -62,7 +62,8 @@ def _foreign(name: str) -> bool:
 
 
 def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None = None,
-         metadata: dict | None = None, step: int | None = None) -> CheckpointInfo:
+         metadata: dict | None = None, step: int | None = None,
+         written: dict[str, tuple[int, str]] | None = None, world_size: int = 1) -> CheckpointInfo:
     """Commit every file under ``path`` as one checkpoint: checksum each whole file and
     write a manifest naming them, last, with an exclusive create.
 
@@ -71,7 +72,11 @@ def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None
     step and metadata (``metadata`` is merged into it, ``step`` replaces it when given);
     older manifests are removed afterwards. Raises ``CheckpointNotFoundError`` for an empty or missing
     folder, ``ValueError`` for a file name a manifest cannot hold, and
-    ``CheckpointExistsError`` when another process commits the same sequence first."""
+    ``CheckpointExistsError`` when another process commits the same sequence first.
+
+    ``written`` maps names to the ``(size, checksum)`` their writers computed while
+    writing them (safeckpt's DeepSpeed engine): a file still of that size is not read
+    again; ``world_size`` is how many processes wrote the files (recorded only)."""
     started = time.perf_counter()
     meta = plain_values(metadata, "metadata")
     encode_values(meta, "metadata")
@@ -106,8 +111,12 @@ def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None
                         f"{f.size} bytes, the folder has {listing.get(f.name)}")
                 files[f.name] = f
     storage.sync(names)
+    written = written or {}
     for name in names:
-        files[name] = FileEntry(name, listing[name], checksum=_checksum_of(storage, name, listing[name]))
+        size = listing[name]
+        known = written.get(name)
+        files[name] = FileEntry(name, size, checksum=known[1] if known and known[0] == size
+                                else _checksum_of(storage, name, size))
     after = {n: s for n, s in _list_files(storage).items() if n in files}
     changed = sorted(n for n in files if not is_shared(n) and after.get(n) != files[n].size)
     if changed:
@@ -116,7 +125,7 @@ def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None
             "still writing into this folder?")
 
     manifest = Manifest(
-        save_id=new_save_id(), seq=max_seq + 1, created=time.time(), world_size=1, files=files,
+        save_id=new_save_id(), seq=max_seq + 1, created=time.time(), world_size=world_size, files=files,
         tensors=existing.tensors if existing is not None else {},
         tree=existing.tree if existing is not None else None,
         step=step if step is not None else (existing.step if existing is not None else None),
@@ -132,4 +141,4 @@ def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None
         pass  # sealed; older manifests left behind are garbage, never a newer commit
     return CheckpointInfo(path=storage.url, save_id=manifest.save_id, seq=manifest.seq, step=manifest.step,
                           bytes=manifest.total_bytes, files=list(files), seconds=time.perf_counter() - started,
-                          world_size=1, metadata=manifest.metadata)
+                          world_size=world_size, metadata=manifest.metadata)

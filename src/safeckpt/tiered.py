@@ -93,12 +93,13 @@ def committed_files(root: Storage, folders: list[str]) -> set[str]:
 
 
 def replicate(local: Storage, durable: Storage, folder: str, trusted: set[str],
-              before_commit: Callable[[], None] = lambda: None) -> Manifest:
-    """Copy the committed checkpoint ``folder`` from ``local`` to ``durable``: data files
-    first, the manifest last (``before_commit`` runs just before it: the writer lease
-    check). ``trusted`` (``folder/file`` of the files committed checkpoints in the
-    durable root name) are not copied again. Returns the manifest."""
-    src, dst = local.child(folder), durable.child(folder)
+              before_commit: Callable[[], None] = lambda: None, to: str | None = None) -> Manifest:
+    """Copy the committed checkpoint ``folder`` from ``local`` to ``durable`` (as folder
+    ``to``, default the same name): data files first, the manifest last
+    (``before_commit`` runs just before it: the writer lease check). ``trusted``
+    (``folder/file`` of the files committed checkpoints in the durable root name) are
+    not copied again. Returns the manifest."""
+    src, dst = local.child(folder), durable.child(to or folder)
     m = read_committed(src)
     there = dst.listdir()
     try:

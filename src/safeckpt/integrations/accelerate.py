@@ -56,8 +56,7 @@ from ._fsdp import ShardedModel, ShardedOptimizer, is_fsdp, owner
 __all__ = ["checkpoint_manager", "load_state", "rng_states", "save_state", "set_rng_states"]
 
 _MANAGERS: weakref.WeakKeyDictionary[Any, dict[str, CheckpointManager]] = weakref.WeakKeyDictionary()
-_UNSUPPORTED = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.MEGATRON_LM: "Megatron-LM",
-                DistributedType.XLA: "torch_xla"}
+_UNSUPPORTED = {DistributedType.MEGATRON_LM: "Megatron-LM", DistributedType.XLA: "torch_xla"}
 
 
 _RETENTION = ("keep_last", "keep_best", "best_metric", "best_mode", "keep_every")
@@ -162,6 +161,8 @@ def save_state(accelerator: Any, root: str | os.PathLike[str] | Storage | Checkp
     _check(accelerator)
     mgr = checkpoint_manager(accelerator, root, **manager_options)
     meta = {"integration": "accelerate", "accelerate_version": accelerate.__version__, **(metadata or {})}
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return _save_deepspeed(accelerator, mgr, step, metrics, meta)
     return mgr.save(step, _state(accelerator, RankLocal(rng_states())), metrics=metrics, metadata=meta)
 
 
@@ -176,7 +177,10 @@ def load_state(accelerator: Any, root: str | os.PathLike[str] | Storage | Checkp
     mgr = checkpoint_manager(accelerator, root, **manager_options)
     rng = RankLocal(None)
     state = _state(accelerator, rng)
-    restored = mgr.restore(state, step, strict=strict)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        restored = _restore_deepspeed(accelerator, mgr, state, step, strict)
+    else:
+        restored = mgr.restore(state, step, strict=strict)
     if restored is None:
         return None
     accelerator.step = state["step"]
@@ -186,3 +190,62 @@ def load_state(accelerator: Any, root: str | os.PathLike[str] | Storage | Checkp
         warnings.warn(f"step {restored} under {mgr.storage.url}: RNG states not restored (saved by "
                       "another number of processes?); reproducibility is not guaranteed", stacklevel=2)
     return restored
+
+
+# -- DeepSpeed ---------------------------------------------------------------------------
+# Each prepared DeepSpeed engine writes its own checkpoint (model, optimizer, its
+# scheduler) as a tag of the step folder, named as Accelerate names it, through
+# safeckpt's checkpoint engine (committed on its own); then the manager commits the
+# rest (RNG states, step, other schedulers, custom objects, dataloaders) in the same
+# folder, and a seal covers both in one manifest. Restoring loads the engines' tags
+# (verified) and then the rest, falling back to older steps past a corrupt one.
+
+def _engines(accelerator: Any) -> list[tuple[str, Any]]:
+    from accelerate.utils.constants import MODEL_NAME
+    from .deepspeed import install
+    return [(MODEL_NAME if i == 0 else f"{MODEL_NAME}_{i}", install(m)) for i, m in enumerate(accelerator._models)]
+
+
+def _deepspeed_state(accelerator: Any, state: dict) -> dict:
+    from accelerate.utils import DeepSpeedSchedulerWrapper
+    rest = {k: v for k, v in state.items() if k not in ("models", "optimizers")}
+    rest["schedulers"] = [s for s in state["schedulers"] if not isinstance(s, DeepSpeedSchedulerWrapper)]
+    return rest
+
+
+def _save_deepspeed(accelerator: Any, mgr: CheckpointManager, step: int, metrics: dict | None,
+                    meta: dict) -> CheckpointInfo:
+    from ..manager import step_folder
+    from ..seal import seal
+    folder = mgr.save_root.child(step_folder(step))
+    for tag, engine in _engines(accelerator):
+        engine.save_checkpoint(folder.url, tag, save_latest=False)
+    info = mgr.save(step, _deepspeed_state(accelerator, _state(accelerator, RankLocal(rng_states()))),
+                    metrics=metrics, metadata=meta)
+    if isinstance(info, SaveFuture):
+        info = info.result()
+    if mgr.group.rank == 0:
+        seal(folder)  # one manifest over the engines' tags and the rest
+    mgr.group.all_gather(None)
+    return info
+
+
+def _restore_deepspeed(accelerator: Any, mgr: CheckpointManager, state: dict, step: int | None,
+                       strict: bool) -> int | None:
+    from ..errors import CorruptCheckpointError
+    steps = mgr.steps() if step is None else [step]
+    skipped = []
+    for s in reversed(steps):
+        try:
+            for tag, engine in _engines(accelerator):
+                engine.load_checkpoint(mgr.path(s), tag)
+            return mgr.restore(_deepspeed_state(accelerator, state), s, strict=strict)
+        except CorruptCheckpointError as exc:
+            if step is not None:
+                raise
+            skipped.append(f"step {s}: {exc}")
+            warnings.warn(f"restore: skipping step {s} under {mgr.storage.url}: {exc}", stacklevel=3)
+    if skipped:
+        raise CorruptCheckpointError(f"no checkpoint under {mgr.storage.url} could be restored:\n  "
+                                     + "\n  ".join(skipped))
+    return None

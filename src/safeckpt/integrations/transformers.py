@@ -343,13 +343,14 @@ class SafeTrainerMixin:
     ordinary Trainer checkpoints; ``train(resume_from_checkpoint=True)`` resumes from
     ``last_checkpoint(output_dir)``. With FSDP (FSDP2 or FSDP1) the model and optimizer
     are saved as their sharded state dicts, each process writing its shards, and load on
-    another number of processes. DeepSpeed, XLA and SageMaker MP are refused."""
+    another number of processes. With DeepSpeed, the engine writes its own files through
+    safeckpt's checkpoint engine (``safeckpt.integrations.deepspeed``) and the whole
+    ``checkpoint-N`` is sealed as one checkpoint. XLA and SageMaker MP are refused."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_transformers_version()
         super().__init__(*args, **kwargs)
         unsupported = [name for name, on in (
-            ("DeepSpeed", getattr(self, "is_deepspeed_enabled", False)),
             ("torch_xla", _xla()), ("SageMaker model parallel", _sagemaker_mp())) if on]
         if unsupported:
             raise NotImplementedError(
@@ -359,6 +360,9 @@ class SafeTrainerMixin:
             warnings.warn("SafeTrainer does not push intermediate checkpoints to the Hub; "
                           "trainer.push_to_hub() / save_model() still do", stacklevel=2)
         self._safeckpt_limit = take_over_rotation(self.args)
+        if getattr(self, "is_deepspeed_enabled", False):
+            from .deepspeed import install_on_prepare
+            install_on_prepare(self.accelerator)
 
     # -- saving --------------------------------------------------------------------------
     def _safeckpt_model(self, model: Any = None) -> Any:
@@ -387,6 +391,8 @@ class SafeTrainerMixin:
         return state
 
     def _save_checkpoint(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
+        if getattr(self, "is_deepspeed_enabled", False):
+            return self._safeckpt_save_deepspeed(model, trial, *args, **kwargs)
         folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
@@ -409,6 +415,23 @@ class SafeTrainerMixin:
              metadata={"integration": _KIND, "transformers_version": transformers.__version__})
         if self.args.should_save:
             seal(output_dir)  # one checkpoint covering the tensors and trainer_state.json
+            rotate(run_dir, self._safeckpt_limit, best=self.state.best_model_checkpoint, just_saved=output_dir)
+
+    def _safeckpt_save_deepspeed(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
+        """The Trainer writes ``checkpoint-N`` as usual (DeepSpeed's ``global_stepN/`` goes
+        through safeckpt's engine: committed on its own, ``latest`` moved after it), then
+        the whole folder, RNG files and trainer state included, is sealed as one commit."""
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save and os.path.isdir(output_dir):
+            delete_checkpoint(output_dir)  # a stale or interrupted save of this step: unseal, then remove
+        _barrier()
+        super()._save_checkpoint(model, trial, *args, **kwargs)
+        _barrier()  # every rank's files are written
+        if self.args.should_save:
+            seal(output_dir, step=self.state.global_step,
+                 metadata={"sealed_by": "safeckpt.integrations.transformers.SafeTrainer (DeepSpeed)",
+                           "transformers_version": transformers.__version__})
             rotate(run_dir, self._safeckpt_limit, best=self.state.best_model_checkpoint, just_saved=output_dir)
 
     def _safeckpt_track_best(self, run_dir: str, output_dir: str) -> None:

@@ -48,7 +48,7 @@ from .manifest import Manifest
 from .plan import PlanError, check_coverage
 from .reader import TensorReader
 from .state import Read
-from .storage import Storage
+from .storage import Storage, is_remote
 from .storage import open as open_storage
 from .tensors import SAFETENSORS_DTYPES, byte_view, dtype_from_name, is_shape, nbytes_of
 
@@ -67,7 +67,7 @@ def _options_for(path: "str | os.PathLike[str] | Storage", options: dict | None)
     if isinstance(path, Storage):
         return {}
     text = os.fspath(path)
-    return dict(options or {}) if "://" in text and not text.startswith("file://") else {}
+    return dict(options or {}) if is_remote(text) else {}
 
 
 class ExportError(CheckpointError, ValueError):
@@ -791,8 +791,7 @@ def import_checkpoint(src: "str | os.PathLike[str]", dest: "str | os.PathLike[st
     src_text = os.fspath(src)
     opts = _options_for(src_text, src_storage_options if src_storage_options is not None else storage_options)
     with tempfile.TemporaryDirectory(prefix="safeckpt-import-") as tmp:
-        local = _fetch(src_text, tmp, opts) if "://" in src_text and not src_text.startswith("file://") \
-            else src_text.removeprefix("file://")
+        local = _fetch(src_text, tmp, opts) if is_remote(src_text) else src_text.removeprefix("file://")
         state, fmt, source_meta = read_foreign(local, format)
         if under:
             state = {under: state}

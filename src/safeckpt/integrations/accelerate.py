@@ -50,7 +50,7 @@ from ..checkpoint import CheckpointInfo
 from ..manager import CheckpointManager
 from ..retention import Retention
 from ..shards import RankLocal
-from ..storage import Storage
+from ..storage import Storage, is_remote
 from ._fsdp import ShardedModel, ShardedOptimizer, is_fsdp, owner
 
 __all__ = ["checkpoint_manager", "load_state", "rng_states", "save_state", "set_rng_states"]
@@ -76,7 +76,7 @@ def checkpoint_manager(accelerator: Any, root: str | os.PathLike[str] | Storage 
         key = root.url
     else:
         text = os.fspath(root)
-        key = text if "://" in text else os.path.abspath(text)
+        key = text if is_remote(text) else os.path.abspath(text)
     managers = _MANAGERS.setdefault(accelerator, {})
     mgr = managers.get(key)
     if mgr is None or mgr._closed:

@@ -63,7 +63,7 @@ from ..manifest import manifest_seq
 from ..garbage import garbage_in
 from ..group import SingleGroup
 from ..state import is_stateful
-from ..storage import Storage
+from ..storage import Storage, is_remote
 from ..storage import open as open_storage
 
 __all__ = ["SafeCheckpointIO", "SafeModelParallelStrategy", "SafeFSDPStrategy", "load_from_checkpoint",
@@ -382,7 +382,7 @@ def _is_file(path: Any, options: dict) -> bool:
     if isinstance(path, Storage):
         return False
     text = os.fspath(path)
-    if "://" not in text or text.startswith("file://"):
+    if not is_remote(text):
         return os.path.isfile(text.removeprefix("file://"))
     try:
         return bool(get_filesystem(text, **options).isfile(text))

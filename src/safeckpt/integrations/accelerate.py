@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import random
-import warnings
 import weakref
 from typing import Any
 
@@ -45,6 +44,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("safeckpt.integrations.accelerate needs accelerate: "
                       "pip install 'safeckpt[hf]'") from exc
 
+from ..errors import PartialLoadWarning, SafeckptWarning, SkippedCheckpointWarning, warn
 from ..asyncsave import SaveFuture
 from ..checkpoint import CheckpointInfo
 from ..manager import CheckpointManager
@@ -89,8 +89,8 @@ def checkpoint_manager(accelerator: Any, root: str | os.PathLike[str] | Storage 
             mgr.retention = Retention(**{**current, **retention})
     others = sorted(k for k in options if k not in _RETENTION)
     if others:
-        warnings.warn(f"options {others} ignored: this accelerator already has a checkpoint manager "
-                      f"for {key} (they apply when it is created)", stacklevel=3)
+        warn(f"options {others} ignored: this accelerator already has a checkpoint manager "
+             f"for {key} (they apply when it is created)", SafeckptWarning)
     return mgr
 
 
@@ -112,8 +112,8 @@ def set_rng_states(states: dict) -> None:
         if len(states["cuda"]) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(states["cuda"])
         else:
-            warnings.warn(f"the checkpoint holds CUDA RNG states for {len(states['cuda'])} devices, this "
-                          f"process sees {torch.cuda.device_count()}; CUDA RNG states not restored", stacklevel=3)
+            warn(f"the checkpoint holds CUDA RNG states for {len(states['cuda'])} devices, this "
+                 f"process sees {torch.cuda.device_count()}; CUDA RNG states not restored", PartialLoadWarning)
 
 
 def _check(accelerator: Any) -> None:
@@ -187,8 +187,8 @@ def load_state(accelerator: Any, root: str | os.PathLike[str] | Storage | Checkp
     if rng.value is not None:
         set_rng_states(rng.value)
     else:
-        warnings.warn(f"step {restored} under {mgr.storage.url}: RNG states not restored (saved by "
-                      "another number of processes?); reproducibility is not guaranteed", stacklevel=2)
+        warn(f"step {restored} under {mgr.storage.url}: RNG states not restored (saved by "
+             "another number of processes?); reproducibility is not guaranteed", PartialLoadWarning)
     return restored
 
 
@@ -244,7 +244,7 @@ def _restore_deepspeed(accelerator: Any, mgr: CheckpointManager, state: dict, st
             if step is not None:
                 raise
             skipped.append(f"step {s}: {exc}")
-            warnings.warn(f"restore: skipping step {s} under {mgr.storage.url}: {exc}", stacklevel=3)
+            warn(f"restore: skipping step {s} under {mgr.storage.url}: {exc}", SkippedCheckpointWarning)
     if skipped:
         raise CorruptCheckpointError(f"no checkpoint under {mgr.storage.url} could be restored:\n  "
                                      + "\n  ".join(skipped))

@@ -55,7 +55,6 @@ import logging
 import os
 import pickle
 import re
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +67,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("safeckpt.integrations.deepspeed needs deepspeed: "
                       "pip install 'safeckpt[deepspeed]'") from exc
 
+from ..errors import CleanupWarning, SkippedCheckpointWarning, warn
 from ..checkpoint import _committed_for_group, new_save_id, read_committed, retire, verify
 from ..checksum import checksum, matches
 from ..commit import abort_summary, describe_error, not_visible
@@ -84,7 +84,7 @@ from ..tiered import replicate
 
 __all__ = ["SAFE_GLOBALS", "SafeCheckpointEngine", "committed_tags", "install", "install_on_prepare"]
 
-log = logging.getLogger("safeckpt")
+log = logging.getLogger(__name__)
 
 KIND = "deepspeed"  #: ``metadata["integration"]`` of a tag this engine committed
 LATEST = "latest"
@@ -389,8 +389,7 @@ class SafeCheckpointEngine(CheckpointEngine):
         try:
             self._after_commit(s)
         except (CheckpointError, OSError) as exc:  # committed; what is left is tidied by the next save
-            warnings.warn(f"committed {s.tag_path}, but updating {LATEST} or cleaning up failed: {exc}",
-                          stacklevel=4)
+            warn(f"committed {s.tag_path}, but updating {LATEST} or cleaning up failed: {exc}", CleanupWarning)
         return None
 
     def _after_commit(self, s: _Save) -> None:
@@ -467,8 +466,8 @@ class SafeCheckpointEngine(CheckpointEngine):
             report = verify(root.child(t.folder))
             if report.ok:
                 if problems or skipped:
-                    warnings.warn(f"loading {t.tag} from {root.url}/{t.folder}; skipped newer or "
-                                  "uncommitted tags:\n  " + "\n  ".join(skipped + problems), stacklevel=4)
+                    warn(f"loading {t.tag} from {root.url}/{t.folder}; skipped newer or "
+                         "uncommitted tags:\n  " + "\n  ".join(skipped + problems), SkippedCheckpointWarning)
                 return t.folder
             problems.append(f"{t.folder}: corrupt: " + "; ".join(report.problems))
         if problems:
@@ -477,8 +476,8 @@ class SafeCheckpointEngine(CheckpointEngine):
             raise CheckpointNotFoundError(f"no committed DeepSpeed checkpoint of tag {tag!r} in {root.url}"
                                           + "".join(f"; {s}" for s in skipped))
         if skipped:
-            warnings.warn(f"no committed DeepSpeed checkpoint in {root.url}; skipped:\n  "
-                          + "\n  ".join(skipped), stacklevel=4)
+            warn(f"no committed DeepSpeed checkpoint in {root.url}; skipped:\n  "
+                 + "\n  ".join(skipped), SkippedCheckpointWarning)
         return None
 
     def loaded(self) -> None:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from typing import Any
 
 import torch
@@ -55,6 +54,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         "'safeckpt[lightning]' (it builds on `lightning.pytorch`; the separate "
         f"`pytorch_lightning` package is not supported) [{_exc}]") from _exc
 
+from ..errors import CleanupWarning, warn
 from ..asyncsave import AsyncSaver
 from ..checkpoint import CheckpointInfo, gc_paused, load_state, retire, save_request
 from ..commit import DATA_RE
@@ -69,7 +69,7 @@ from ..storage import open as open_storage
 __all__ = ["SafeCheckpointIO", "SafeModelParallelStrategy", "SafeFSDPStrategy", "load_from_checkpoint",
            "remove_interrupted_saves"]
 
-log = logging.getLogger("safeckpt")
+log = logging.getLogger(__name__)
 
 MIN_LIGHTNING = (2, 2)
 
@@ -152,8 +152,8 @@ class SafeCheckpointIO(CheckpointIO):
             folder.delete(manifests)
             folder.delete(data)
         except Exception as exc:  # noqa: BLE001 - the save itself succeeded
-            warnings.warn(f"saved {info.path}, but could not remove files of interrupted saves there: {exc}",
-                          stacklevel=2)
+            warn(f"saved {info.path}, but could not remove files of interrupted saves there: {exc}",
+                 CleanupWarning)
         log.debug("lightning checkpoint committed: %s (%d bytes, %.3fs)", info.path, info.bytes, info.seconds)
 
     # -- load -----------------------------------------------------------------------------
@@ -196,8 +196,8 @@ class SafeCheckpointIO(CheckpointIO):
         storage.remove_folder()
         left = storage.listdir()
         if left:
-            warnings.warn(f"removed the checkpoint {storage.url}, but the folder still holds files safeckpt "
-                          f"did not write, so it was kept: {sorted(left)[:5]}", stacklevel=2)
+            warn(f"removed the checkpoint {storage.url}, but the folder still holds files safeckpt "
+                 f"did not write, so it was kept: {sorted(left)[:5]}", CleanupWarning)
 
     # -- lifetime -------------------------------------------------------------------------
     def wait(self) -> CheckpointInfo | None:

@@ -29,7 +29,6 @@ import os
 import random
 import re
 import shutil
-import warnings
 from typing import Any
 
 import numpy as np
@@ -45,6 +44,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "pip install 'safeckpt[hf]'") from exc
 from packaging.version import Version
 
+from ..errors import CleanupWarning, PartialLoadWarning, SafeckptWarning, SkippedCheckpointWarning, warn
 from .. import codec
 from ..checkpoint import load as safeckpt_load
 from ..checkpoint import read_committed, retire, save, verify
@@ -65,7 +65,7 @@ __all__ = [
     "last_checkpoint",
 ]
 
-log = logging.getLogger("safeckpt")
+log = logging.getLogger(__name__)
 
 TRAINER_STATE_NAME = "trainer_state.json"
 CHECKPOINT_RE = re.compile(rf"{re.escape(PREFIX_CHECKPOINT_DIR)}-([0-9]+)")
@@ -138,7 +138,7 @@ def last_checkpoint(output_dir: str | os.PathLike) -> str | None:
         problem = checkpoint_problem(path)
         if problem is None:
             return path
-        warnings.warn(f"last_checkpoint: skipping {path}: {problem}", stacklevel=2)
+        warn(f"last_checkpoint: skipping {path}: {problem}", SkippedCheckpointWarning)
     return None
 
 
@@ -182,7 +182,7 @@ def rotate(output_dir: str, limit: int | None, *, best: str | None, just_saved: 
         try:
             delete_checkpoint(path)
         except OSError as exc:
-            warnings.warn(f"could not delete old checkpoint {path}: {exc}", stacklevel=2)
+            warn(f"could not delete old checkpoint {path}: {exc}", CleanupWarning)
             continue
         log.info("deleted %s (save_total_limit=%s)", path, limit)
         deleted.append(path)
@@ -249,8 +249,8 @@ class SafeCheckpointCallback(TrainerCallback):
             return
         path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if not os.path.isdir(path):
-            warnings.warn(f"SafeCheckpointCallback: the Trainer saved, but {path} does not exist "
-                          "(hyperparameter search runs are not supported); nothing sealed", stacklevel=2)
+            warn(f"SafeCheckpointCallback: the Trainer saved, but {path} does not exist "
+                 "(hyperparameter search runs are not supported); nothing sealed", SafeckptWarning)
             return
         info = seal(path, step=state.global_step,
                     metadata={"sealed_by": "safeckpt.integrations.transformers.SafeCheckpointCallback",
@@ -293,8 +293,8 @@ def set_rng_states(states: dict) -> None:
         if len(cuda) == torch.cuda.device_count():
             torch.cuda.random.set_rng_state_all(cuda)
         else:
-            warnings.warn(f"the checkpoint holds CUDA RNG states for {len(cuda)} devices, this process "
-                          f"sees {torch.cuda.device_count()}; CUDA RNG states not restored", stacklevel=3)
+            warn(f"the checkpoint holds CUDA RNG states for {len(cuda)} devices, this process "
+                 f"sees {torch.cuda.device_count()}; CUDA RNG states not restored", PartialLoadWarning)
 
 
 def load_keys(state: dict, path: str, *, process_group: Any = None) -> None:
@@ -357,8 +357,8 @@ class SafeTrainerMixin:
                 f"SafeTrainer does not support {', '.join(unsupported)} yet (their checkpoints are written "
                 "by the engine itself); use a plain Trainer with SafeCheckpointCallback to seal them")
         if self.args.push_to_hub:
-            warnings.warn("SafeTrainer does not push intermediate checkpoints to the Hub; "
-                          "trainer.push_to_hub() / save_model() still do", stacklevel=2)
+            warn("SafeTrainer does not push intermediate checkpoints to the Hub; "
+                 "trainer.push_to_hub() / save_model() still do", SafeckptWarning)
         self._safeckpt_limit = take_over_rotation(self.args)
         if getattr(self, "is_deepspeed_enabled", False):
             from .deepspeed import install_on_prepare
@@ -481,16 +481,16 @@ class SafeTrainerMixin:
         if codec.tag_of(saved) == "$local":
             ranks = len(saved["$local"])
             if ranks != world:
-                warnings.warn(f"{checkpoint} holds RNG states of {ranks} processes, this run has {world}; "
-                              "RNG states not restored, reproducibility is not guaranteed", stacklevel=2)
+                warn(f"{checkpoint} holds RNG states of {ranks} processes, this run has {world}; "
+                     "RNG states not restored, reproducibility is not guaranteed", PartialLoadWarning)
                 return
             holder: dict = {"rng": RankLocal(None)}
             load_keys(holder, checkpoint)
             set_rng_states(holder["rng"].value)
             return
         if world > 1:
-            warnings.warn(f"{checkpoint} was saved by one process, this run has {world}; "
-                          "RNG states not restored, reproducibility is not guaranteed", stacklevel=2)
+            warn(f"{checkpoint} was saved by one process, this run has {world}; "
+                 "RNG states not restored, reproducibility is not guaranteed", PartialLoadWarning)
             return
         holder = {"rng": None}
         load_keys(holder, checkpoint)

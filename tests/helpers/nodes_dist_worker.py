@@ -1,0 +1,129 @@
+"""Simulated nodes on real gloo ranks, for tests/test_multinode.py.
+
+``opts["nodes"]`` names each rank's node (``SAFECKPT_NODE_ID``, the test hook that
+overrides the host name); a node's ranks share ``ROOT/local-<node>`` and nothing else,
+every rank shares ``ROOT/durable``. Scenarios are added to ``dist_worker.SCENARIOS``
+and ``NodesForkServer`` starts this file as the fork server. The data are pure
+functions of (rank layout, step); the workers observe, the test judges.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import dist_worker as dw
+from tiered_dist_worker import ROWS, bias, mat_full
+
+HERE = Path(__file__).resolve()
+
+
+def rows(rank: int, world: int) -> tuple[int, int]:
+    """Uneven row shards of the matrix: 2 ranks 40/24, 4 ranks 10/20/14/20, 3 ranks 30/4/30."""
+    cuts = {1: [0, 64], 2: [0, 40, 64], 3: [0, 30, 34, 64], 4: [0, 10, 30, 44, 64]}[world]
+    return cuts[rank], cuts[rank + 1]
+
+
+def rank_state(rank: int, world: int, step: int, *, empty: bool = False) -> dict:
+    import torch
+    from safeckpt.shards import Shard
+    r0, r1 = rows(rank, world)
+    m, b = mat_full(step)[r0:r1].clone(), bias(step)
+    if empty:
+        m, b = torch.full_like(m, -1), torch.full_like(b, -1)
+    return {"m": Shard(m, ROWS, [r0, 0]), "b": b, "step": -1 if empty else step}
+
+
+def problems(state: dict, rank: int, world: int, step: int) -> list[str]:
+    r0, r1 = rows(rank, world)
+    return (dw.compare(state["m"].local_tensor, mat_full(step)[r0:r1], "m")
+            + dw.compare(state["b"], bias(step), "b") + dw.compare(state["step"], step, "step"))
+
+
+ARMED: list[str] = []  # "local" or "durable": SIGKILL this rank once its data file is written there
+
+
+def _killer(path: Path, where: str):
+    """``path`` as a storage that SIGKILLs this process once a data file is completely
+    written and fsynced there, while ``where`` is in ``ARMED`` (children stay wrapped)."""
+    import signal
+    import time
+    from safeckpt.commit import DATA_RE
+    from safeckpt.storage import LocalStorage
+    from safeckpt.storage.base import StorageWrapper
+
+    class KillAfterData(StorageWrapper):
+        def write_file(self, name, parts):
+            size = self.inner.write_file(name, parts)
+            if where in ARMED and DATA_RE.fullmatch(name):
+                os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(60)
+            return size
+
+    return KillAfterData(LocalStorage(str(path)))
+
+
+def _manager(ctx: dw.Ctx):
+    import safeckpt
+    node = ctx.opts["nodes"][ctx.rank]
+    os.environ["SAFECKPT_NODE_ID"] = node
+    return safeckpt.CheckpointManager(
+        _killer(ctx.root / "durable", "durable"), local=_killer(ctx.root / f"local-{node}", "local"),
+        keep_last=ctx.opts.get("keep_last", 2), keep_local=2, local_replicas=ctx.opts.get("replicas", 0))
+
+
+def sc_nodes_save(ctx: dw.Ctx) -> dict:
+    """Save ``opts["steps"]``, waiting for each to be durable (after a restore with
+    ``opts["restore"]``); ranks in ``opts["victims"]`` are SIGKILLed during the save of
+    ``opts["kill_step"]`` once their data file is written to ``opts["kill"]`` ("local":
+    their node's disk, before the commit decision; "durable": the upload after it)."""
+    out: dict[str, Any] = {"saves": {}}
+    mgr = _manager(ctx)
+    if ctx.opts.get("restore"):
+        out["restored"] = mgr.restore(rank_state(ctx.rank, ctx.world, 0, empty=True))
+    for step in ctx.opts["steps"]:
+        killing = step == ctx.opts.get("kill_step")
+        if killing and ctx.rank in ctx.opts.get("victims", []):
+            ARMED.append(ctx.opts["kill"])
+        out["saves"][str(step)] = dw.caught(lambda: (mgr.save(step, rank_state(ctx.rank, ctx.world, step)),
+                                                     mgr.wait()))
+        if killing:
+            ctx.stop = True  # a node is gone: no more collectives in this launch
+            return out
+    out["steps"] = mgr.steps()
+    mgr.close()
+    return out
+
+
+def sc_nodes_restore(ctx: dw.Ctx) -> dict:
+    """A fresh job restores; reports what it got and whether it matches ``opts["expect"]``."""
+    mgr = _manager(ctx)
+    target = rank_state(ctx.rank, ctx.world, 0, empty=True)
+    got: dict[str, Any] = {}
+    res = dw.caught(lambda: got.update(step=mgr.restore(target)))
+    out: dict[str, Any] = {"restore": res, "restored": got.get("step")}
+    out["problems"] = problems(target, ctx.rank, ctx.world, ctx.opts["expect"])
+    nxt = ctx.opts.get("next")
+    if nxt is not None:
+        out["next"] = dw.caught(lambda: (mgr.save(nxt, rank_state(ctx.rank, ctx.world, nxt)), mgr.wait()))
+    mgr.close()
+    return out
+
+
+dw.SCENARIOS.update({"nodes_save": sc_nodes_save, "nodes_restore": sc_nodes_restore})
+
+
+class NodesForkServer(dw.ForkServer):
+    """``dist_worker.ForkServer`` started on this file (so the ranks know the scenarios above)."""
+
+    def __init__(self, src: str, env: dict | None = None) -> None:
+        super().__init__(src, script=HERE, env=env)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["serve"]:
+        dw.serve(heavy=False)
+        sys.exit(0)
+    sys.exit(dw.main())

@@ -336,9 +336,10 @@ class CheckpointManager:
         self.wait()  # a save in flight is not garbage
         if not dry_run:
             self._check_lease()
-        if len(self.tiers) == 1:
+        tiers = self.tiers if self._nodes is False or self.group.size == 1 else [self.storage]
+        if len(tiers) == 1:  # a node's disk holds no manifest: gc is the node tier's retention
             return garbage.collect(self.storage, min_age_s=min_age_s, dry_run=dry_run)
-        return [f"{t.url}/{name}" for t in self.tiers
+        return [f"{t.url}/{name}" for t in tiers
                 for name in garbage.collect(t, min_age_s=min_age_s, dry_run=dry_run)]
 
     # -- restoring ---------------------------------------------------------------------

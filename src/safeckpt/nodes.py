@@ -24,6 +24,7 @@ the rest is read from the durable root.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -34,10 +35,11 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import CheckpointInfo, load_manifest, read_committed
+from .checkpoint import load_manifest, read_committed
 from .checksum import checksum
-from .commit import DATA_RE, SaveRun, describe_error, read_existing, refuse_existing, write_manifest
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError
+from .commit import (DATA_RE, SaveRun, describe_error, read_existing, refuse_existing, retire_replaced,
+                     write_manifest)
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError, StorageError
 from .group import TorchGroup, resolve
 from .manifest import Manifest, decode_manifest, encode_manifest, manifest_name, manifest_seq
 from .storage import Storage
@@ -152,7 +154,7 @@ def _send(group: TorchGroup, data: bytes, dst: int) -> None:
     group._run("send", lambda: dist.send(torch.tensor([len(data)], dtype=torch.int64), peer, group=group.pg))
     for lo in range(0, len(data), SEND_BLOCK):
         block = torch.frombuffer(bytearray(data[lo:lo + SEND_BLOCK]), dtype=torch.uint8)
-        group._run("send", lambda: dist.send(block, peer, group=group.pg))
+        group._run("send", lambda b=block: dist.send(b, peer, group=group.pg))
 
 
 def _recv(group: TorchGroup, src: int) -> bytes:
@@ -164,7 +166,7 @@ def _recv(group: TorchGroup, src: int) -> bytes:
     out = bytearray()
     for lo in range(0, int(size), SEND_BLOCK):
         block = torch.empty(min(SEND_BLOCK, int(size) - lo), dtype=torch.uint8)
-        group._run("recv", lambda: dist.recv(block, peer, group=group.pg))
+        group._run("recv", lambda b=block: dist.recv(b, peer, group=group.pg))
         out += block.numpy().tobytes()
     return bytes(out)
 
@@ -307,35 +309,50 @@ class NodeTier:
     # -- behind each save (background group, every rank, in order) -----------------------
     def behind(self, folder: str, data: bytes) -> None:
         m = decode_manifest(data, folder)
-        if self.replicas:
-            self._replicate(folder, m, data)
-        self._upload(folder, m)
-        if self.is_leader:
-            self._retain_local()
+        try:
+            replica_error = self._replicate(folder, m, data) if self.replicas else None
+            self._upload(folder, m)
+        finally:
+            if self.is_leader:
+                self._retain_local()
+        if replica_error:
+            raise SaveAbortedError(f"node {node_id()}: the peer replica of step {m.step} is incomplete "
+                                   f"(the durable copy is not affected): {replica_error}")
 
-    def _replicate(self, folder: str, m: Manifest, data: bytes) -> None:
+    def _replicate(self, folder: str, m: Manifest, data: bytes) -> str | None:
         """Node k's first rank sends its node's files to node k+1's (a ring); the receiver
-        records them. Sends and receives alternate by node parity, so no pair waits on
-        the other."""
+        records what arrived whole. Sends and receives alternate by node parity, so no
+        pair waits on the other; a file that cannot be read or stored is reported, never
+        left half-way in the exchange (the ranks' collectives stay in step)."""
         if not self.is_leader:
-            return
+            return None
         g, count, k = self.background, len(self.layout.nodes), self.node
         nxt, prev = self.layout.leader((k + 1) % count), self.layout.leader((k - 1) % count)
         here = self.local.child(folder)
         mine = sorted(n for n, f in m.files.items() if self.layout.node_of[f.rank] == k)
+        problems: list[str] = []
 
         def send() -> None:
             _send(g, json.dumps(mine).encode(), nxt)
             for name in mine:
-                _send(g, _read_checked(here, m, name), nxt)
+                try:
+                    blob = _read_checked(here, m, name)
+                except (CheckpointError, OSError) as exc:
+                    problems.append(f"reading {name}: {exc}")
+                    blob = b""  # the receiver sees the wrong size and does not record it
+                _send(g, blob, nxt)
 
         def receive() -> dict[str, int]:
-            names = json.loads(_recv(g, prev))
             got = {}
-            for name in names:
+            for name in json.loads(_recv(g, prev)):
                 blob = _recv(g, prev)
-                _store(here, name, blob)
-                got[name] = len(blob)
+                try:
+                    if len(blob) != m.files[name].size:
+                        raise SaveAbortedError(f"{name} arrived with {len(blob)} bytes, not {m.files[name].size}")
+                    _store(here, name, blob)
+                    got[name] = len(blob)
+                except (CheckpointError, OSError) as exc:
+                    problems.append(f"storing {name}: {exc}")
             return got
 
         if k % 2 == 0:
@@ -344,9 +361,13 @@ class NodeTier:
         else:
             got = receive()
             send()
-        if got:
-            write_record(here, data, node_id(), got, "peer", m.save_id)
+        try:
+            if got:
+                write_record(here, data, node_id(), got, "peer", m.save_id)
+        except (CheckpointError, OSError) as exc:
+            problems.append(f"recording the replica: {exc}")
         log.info("node %s: holds the replica of step %s from the node before", node_id(), m.step)
+        return "; ".join(problems) or None
 
     def _upload(self, folder: str, m: Manifest) -> None:
         """Every rank copies its own files; rank 0 commits the durable copy last."""
@@ -392,8 +413,6 @@ class NodeTier:
             return describe_error(exc)
 
     def _commit_durable(self, dst: Storage, m: Manifest) -> None:
-        import dataclasses
-        from .commit import retire_replaced
         old, max_seq = read_existing(dst)
         final = dataclasses.replace(m, seq=max(m.seq, max_seq + 1))
         listing = dst.listdir()
@@ -468,10 +487,17 @@ class NodeTier:
         folder, data, nodes, durable_ok = choice
         m = decode_manifest(data, folder)
         held = [set(n) for n in nodes]
-        source = Nearest(self.local.child(folder), self.manager.storage.child(folder) if durable_ok else None,
-                         held[self.node])
-        load_manifest(state, source, m, self.group, strict=strict, allow_pickle=self.manager.allow_pickle,
-                      before_read=lambda need: self._bring(folder, m, data, held, need))
+        durable = self.manager.storage.child(folder) if durable_ok else None
+        try:
+            load_manifest(state, Nearest(self.local.child(folder), durable, held[self.node]), m, self.group,
+                          strict=strict, allow_pickle=self.manager.allow_pickle,
+                          before_read=lambda need: self._bring(folder, m, data, held, need))
+        except (CorruptCheckpointError, StorageError) as exc:  # every rank raised it together
+            if durable is None:
+                raise
+            warnings.warn(f"restoring {folder} from the nodes' disks failed ({exc}); reading the durable "
+                          f"copy {durable.url} instead", stacklevel=3)
+            load_manifest(state, durable, m, self.group, strict=strict, allow_pickle=self.manager.allow_pickle)
         self.manager.run_id = m.run_id or self.manager.run_id
         log.info("restored step %s (%s)", m.step, "local disks" if not durable_ok else "local disks and durable root")
         return m.step

@@ -87,8 +87,8 @@ def sc_nodes_save(ctx: dw.Ctx) -> dict:
         killing = step == ctx.opts.get("kill_step")
         if killing and ctx.rank in ctx.opts.get("victims", []):
             ARMED.append(ctx.opts["kill"])
-        out["saves"][str(step)] = dw.caught(lambda: (mgr.save(step, rank_state(ctx.rank, ctx.world, step)),
-                                                     mgr.wait()))
+        out["saves"][str(step)] = dw.caught(lambda s=step: (mgr.save(s, rank_state(ctx.rank, ctx.world, s)),
+                                                             mgr.wait()))
         if killing:
             ctx.stop = True  # a node is gone: no more collectives in this launch
             return out

@@ -179,3 +179,21 @@ def test_stale_local_copy_of_an_aborted_save_next_to_a_committed_one(server, tmp
         assert holdings(tmp_path, node, 2).keys() == before[node].keys()
     shutil.rmtree(tmp_path / "durable" / step_folder(2))  # step 2 only on the local disks
     restore(server, tmp_path, 2)
+
+
+def test_sigkill_during_peer_replication_keeps_the_last_fully_replicated_step(server, tmp_path):
+    """Node b's first rank dies while storing node a's replica of step 2 (decided and
+    recorded on both disks, not yet replicated nor durable). Both disks restore step 2;
+    with node b's disk lost as well, step 2 is not whole anywhere, and step 1 (fully
+    replicated and durable) restores instead: never the half of step 2."""
+    res = launch(server, tmp_path, "nodes_save", "save", TWO_BY_TWO, steps=[1, 2], kill_step=2, kill="peer",
+                 victims=[2], replicas=1)
+    for r in (0, 1, 3):
+        data = res.results("nodes_save", ranks=[r])[0]
+        assert data["saves"]["1"]["raised"] is None, data
+        assert data["saves"]["2"]["is_save_aborted"], (r, data["saves"]["2"])
+    assert committed(tmp_path / "durable") == [1]
+    assert all(len(next(iter(holdings(tmp_path, n, 2).values()))) == 2 for n in "ab")  # own files only
+    restore(server, tmp_path, 2, name="restore-both", replicas=1)
+    shutil.rmtree(tmp_path / "local-b")
+    restore(server, tmp_path, 1, name="restore-a-only", replicas=1)

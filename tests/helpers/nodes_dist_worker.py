@@ -42,12 +42,14 @@ def problems(state: dict, rank: int, world: int, step: int) -> list[str]:
             + dw.compare(state["b"], bias(step), "b") + dw.compare(state["step"], step, "step"))
 
 
-ARMED: list[str] = []  # "local" or "durable": SIGKILL this rank once its data file is written there
+ARMED: list[str] = []  # "local", "durable" or "peer": SIGKILL this rank at that write
 
 
-def _killer(path: Path, where: str):
+def _killer(path: Path, where: str, mine: set[int] = frozenset()):
     """``path`` as a storage that SIGKILLs this process once a data file is completely
-    written and fsynced there, while ``where`` is in ``ARMED`` (children stay wrapped)."""
+    written and fsynced there, while ``where`` is in ``ARMED``; "peer" (on a local
+    folder): once a data file of a rank not in ``mine`` (another node's) is stored
+    there. Children stay wrapped."""
     import signal
     import time
     from safeckpt.commit import DATA_RE
@@ -57,7 +59,9 @@ def _killer(path: Path, where: str):
     class KillAfterData(StorageWrapper):
         def write_file(self, name, parts):
             size = self.inner.write_file(name, parts)
-            if where in ARMED and DATA_RE.fullmatch(name):
+            found = DATA_RE.fullmatch(name)
+            peer = found and where == "local" and "peer" in ARMED and int(found.group(2)) not in mine
+            if found and (where in ARMED or peer):
                 os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(60)
             return size
@@ -70,7 +74,8 @@ def _manager(ctx: dw.Ctx):
     node = ctx.opts["nodes"][ctx.rank]
     os.environ["SAFECKPT_NODE_ID"] = node
     return safeckpt.CheckpointManager(
-        _killer(ctx.root / "durable", "durable"), local=_killer(ctx.root / f"local-{node}", "local"),
+        _killer(ctx.root / "durable", "durable"),
+        local=_killer(ctx.root / f"local-{node}", "local", {r for r, n in enumerate(ctx.opts["nodes"]) if n == node}),
         keep_last=ctx.opts.get("keep_last", 2), keep_local=2, local_replicas=ctx.opts.get("replicas", 0))
 
 
@@ -78,7 +83,8 @@ def sc_nodes_save(ctx: dw.Ctx) -> dict:
     """Save ``opts["steps"]``, waiting for each to be durable (after a restore with
     ``opts["restore"]``); ranks in ``opts["victims"]`` are SIGKILLed during the save of
     ``opts["kill_step"]`` once their data file is written to ``opts["kill"]`` ("local":
-    their node's disk, before the commit decision; "durable": the upload after it)."""
+    their node's disk, before the commit decision; "durable": the upload after it;
+    "peer": once they store another node's file, the peer replica after the decision)."""
     out: dict[str, Any] = {"saves": {}}
     mgr = _manager(ctx)
     if ctx.opts.get("restore"):

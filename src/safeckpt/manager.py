@@ -60,7 +60,9 @@ class CheckpointManager:
     With ``local=PATH`` saves commit on that (fast, node-local) disk and are copied to
     ``root`` in the background, data first and manifest last (see ``tiered``); the
     local tier keeps the newest ``keep_local``, ``root`` follows the retention rules,
-    and ``restore`` takes the newest valid checkpoint of either tier, local first."""
+    and ``restore`` takes the newest valid checkpoint of either tier, local first. When
+    the ranks span several nodes, ``local`` is each node's own disk (see ``nodes``;
+    ``local_replicas=1`` also keeps each node's files on the next node)."""
 
     def __init__(self, root: "str | Storage", *, keep_last: int | None = None,
                  keep_best: int | None = None, best_metric: str | None = None,

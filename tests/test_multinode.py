@@ -131,6 +131,16 @@ def test_peer_replica_restores_a_lost_node_without_the_durable_root(server, tmp_
     assert len(holdings(tmp_path, "b", 2)[sid]) >= 2
 
 
+def test_async_saves(server, tmp_path):
+    res = save(server, tmp_path, [1, 2], async_save=True, replicas=1)
+    assert all(s["raised"] is None for data in res for s in data["saves"].values()), res
+    assert committed(tmp_path / "durable") == [1, 2]
+    durable_exact(tmp_path, 2)
+    shutil.rmtree(tmp_path / "local-a")
+    shutil.rmtree(tmp_path / "durable")
+    restore(server, tmp_path, 2, replicas=1)
+
+
 def test_restore_on_three_ranks_reshards(server, tmp_path):
     save(server, tmp_path, [1])
     restore(server, tmp_path, 1, nodes=["a", "a", "b"])
@@ -161,7 +171,9 @@ def test_sigkill_of_one_node_during_a_save(server, tmp_path, kill):
     else:
         assert holdings(tmp_path, "a", 2) and holdings(tmp_path, "b", 2)
         restore(server, tmp_path, 2, name="restore-after-kill", next=3)
-        assert committed(tmp_path / "durable") == [1, 3]  # step 2 never became durable
+        # the restoring job uploaded step 2, which the killed one had not finished
+        assert committed(tmp_path / "durable") == [2, 3]
+        durable_exact(tmp_path, 2)
         durable_exact(tmp_path, 3)
 
 
@@ -185,7 +197,8 @@ def test_sigkill_during_peer_replication_keeps_the_last_fully_replicated_step(se
     """Node b's first rank dies while storing node a's replica of step 2 (decided and
     recorded on both disks, not yet replicated nor durable). Both disks restore step 2;
     with node b's disk lost as well, step 2 is not whole anywhere, and step 1 (fully
-    replicated and durable) restores instead: never the half of step 2."""
+    replicated and durable) restores instead: never the half of step 2. A job restoring
+    step 2 from both disks uploads it, which the killed job never did."""
     res = launch(server, tmp_path, "nodes_save", "save", TWO_BY_TWO, steps=[1, 2], kill_step=2, kill="peer",
                  victims=[2], replicas=1)
     for r in (0, 1, 3):
@@ -194,6 +207,11 @@ def test_sigkill_during_peer_replication_keeps_the_last_fully_replicated_step(se
         assert data["saves"]["2"]["is_save_aborted"], (r, data["saves"]["2"])
     assert committed(tmp_path / "durable") == [1]
     assert all(len(next(iter(holdings(tmp_path, n, 2).values()))) == 2 for n in "ab")  # own files only
-    restore(server, tmp_path, 2, name="restore-both", replicas=1)
-    shutil.rmtree(tmp_path / "local-b")
+    saved = tmp_path / "local-b-saved"
+    shutil.move(tmp_path / "local-b", saved)
     restore(server, tmp_path, 1, name="restore-a-only", replicas=1)
+    shutil.rmtree(tmp_path / "local-b")
+    shutil.move(saved, tmp_path / "local-b")
+    restore(server, tmp_path, 2, name="restore-both", replicas=1)
+    assert committed(tmp_path / "durable") == [1, 2]  # the restoring job uploaded step 2
+    durable_exact(tmp_path, 2)

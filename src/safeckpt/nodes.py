@@ -238,15 +238,15 @@ class NodeSync:
         self._error: BaseException | None = None
         self.busy: str | None = None
 
-    def submit(self, folder: str, data: bytes) -> None:
+    def submit(self, folder: str, data: bytes, replicate: bool = True) -> None:
         self.join()
         self.busy = folder
-        self._thread = threading.Thread(target=self._work, args=(folder, data), name="safeckpt-nodes")
+        self._thread = threading.Thread(target=self._work, args=(folder, data, replicate), name="safeckpt-nodes")
         self._thread.start()
 
-    def _work(self, folder: str, data: bytes) -> None:
+    def _work(self, folder: str, data: bytes, replicate: bool) -> None:
         try:
-            self.tier.behind(folder, data)
+            self.tier.behind(folder, data, replicate)
         except BaseException as exc:  # noqa: BLE001 - kept for wait(); training goes on
             self._error = exc
             log.error("node tier: replicating %s failed: %s", folder, exc)
@@ -307,10 +307,10 @@ class NodeTier:
         return (newest.manifest if newest else None), seq
 
     # -- behind each save (background group, every rank, in order) -----------------------
-    def behind(self, folder: str, data: bytes) -> None:
+    def behind(self, folder: str, data: bytes, replicate: bool = True) -> None:
         m = decode_manifest(data, folder)
         try:
-            replica_error = self._replicate(folder, m, data) if self.replicas else None
+            replica_error = self._replicate(folder, m, data) if self.replicas and replicate else None
             self._upload(folder, m)
         finally:
             if self.is_leader:
@@ -499,8 +499,19 @@ class NodeTier:
                           f"copy {durable.url} instead", stacklevel=3)
             load_manifest(state, durable, m, self.group, strict=strict, allow_pickle=self.manager.allow_pickle)
         self.manager.run_id = m.run_id or self.manager.run_id
+        if not durable_ok:
+            self._upload_later(folder, m, data, held[self.node])
         log.info("restored step %s (%s)", m.step, "local disks" if not durable_ok else "local disks and durable root")
         return m.step
+
+    def _upload_later(self, folder: str, m: Manifest, data: bytes, held: set[str]) -> None:
+        """After restoring a save the durable root lacks (the last job died before its
+        upload): upload it now, if every rank's own files are on its node's disk (the
+        same layout as the save)."""
+        mine = {n for n, f in m.files.items() if f.rank == self.rank}
+        ready = m.world_size == self.group.size and mine <= held
+        if all(self.group.all_gather(ready)):
+            self.sync.submit(folder, data, replicate=False)
 
     def _bring(self, folder: str, m: Manifest, data: bytes, nodes: list[set[str]], need: set[str]) -> None:
         """Each node gets, from a node holding them, the files its ranks will read and

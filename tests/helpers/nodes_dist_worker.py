@@ -76,7 +76,8 @@ def _manager(ctx: dw.Ctx):
     return safeckpt.CheckpointManager(
         _killer(ctx.root / "durable", "durable"),
         local=_killer(ctx.root / f"local-{node}", "local", {r for r, n in enumerate(ctx.opts["nodes"]) if n == node}),
-        keep_last=ctx.opts.get("keep_last", 2), keep_local=2, local_replicas=ctx.opts.get("replicas", 0))
+        keep_last=ctx.opts.get("keep_last", 2), keep_local=2, local_replicas=ctx.opts.get("replicas", 0),
+        async_save=ctx.opts.get("async_save", False))
 
 
 def sc_nodes_save(ctx: dw.Ctx) -> dict:

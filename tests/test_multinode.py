@@ -215,3 +215,14 @@ def test_sigkill_during_peer_replication_keeps_the_last_fully_replicated_step(se
     restore(server, tmp_path, 2, name="restore-both", replicas=1)
     assert committed(tmp_path / "durable") == [1, 2]  # the restoring job uploaded step 2
     durable_exact(tmp_path, 2)
+
+
+def test_corrupt_local_copy_falls_back_to_the_durable_copy(server, tmp_path):
+    save(server, tmp_path, [1, 2])
+    victim = next((tmp_path / "local-a" / step_folder(2)).glob("data-*-r00000.safetensors"))
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF  # a rotted byte in a tensor: the record still matches by size
+    victim.write_bytes(bytes(data))
+    res = restore(server, tmp_path, 2)
+    for data in res:
+        assert any("reading the durable copy" in w and "checksum" in w for w in data["warnings"]), data

@@ -177,9 +177,31 @@ def _read_checked(folder: Storage, m: Manifest, name: str) -> bytes:
     return b"".join(_checked_parts(folder, name, f.size, file_checks(m).get(name, []), f.checksum))
 
 
-def _store(folder: Storage, name: str, data: bytes) -> None:
-    folder.delete([name])  # a leftover of an interrupted transfer: no record names it
-    folder.write_file(name, [data])
+def send_file(group: TorchGroup, folder: Storage, m: Manifest, name: str, dst: int, problems: list[str]) -> None:
+    """Send one data file, checked; one that cannot be read goes as nothing (and is
+    reported here), so the exchange stays in step and the receiver stores nothing."""
+    try:
+        blob = _read_checked(folder, m, name)
+    except (CheckpointError, OSError) as exc:
+        problems.append(f"reading {name}: {exc}")
+        blob = b""
+    _send(group, blob, dst)
+
+
+def receive_file(group: TorchGroup, folder: Storage, m: Manifest, name: str, src: int,
+                 problems: list[str]) -> bool:
+    """Receive one data file into ``folder``; True when it arrived whole and is durable."""
+    blob = _recv(group, src)
+    try:
+        if len(blob) != m.files[name].size:
+            raise SaveAbortedError(f"{name} arrived with {len(blob)} bytes, not {m.files[name].size} "
+                                   "(the sender could not read it)")
+        folder.delete([name])  # a leftover of an interrupted transfer: no record names it
+        folder.write_file(name, [blob])
+        return True
+    except (CheckpointError, OSError) as exc:
+        problems.append(f"storing {name}: {exc}")
+        return False
 
 
 # -- saving ----------------------------------------------------------------------------
@@ -335,25 +357,11 @@ class NodeTier:
         def send() -> None:
             _send(g, json.dumps(mine).encode(), nxt)
             for name in mine:
-                try:
-                    blob = _read_checked(here, m, name)
-                except (CheckpointError, OSError) as exc:
-                    problems.append(f"reading {name}: {exc}")
-                    blob = b""  # the receiver sees the wrong size and does not record it
-                _send(g, blob, nxt)
+                send_file(g, here, m, name, nxt, problems)
 
         def receive() -> dict[str, int]:
-            got = {}
-            for name in json.loads(_recv(g, prev)):
-                blob = _recv(g, prev)
-                try:
-                    if len(blob) != m.files[name].size:
-                        raise SaveAbortedError(f"{name} arrived with {len(blob)} bytes, not {m.files[name].size}")
-                    _store(here, name, blob)
-                    got[name] = len(blob)
-                except (CheckpointError, OSError) as exc:
-                    problems.append(f"storing {name}: {exc}")
-            return got
+            names = json.loads(_recv(g, prev))
+            return {n: m.files[n].size for n in names if receive_file(g, here, m, n, prev, problems)}
 
         if k % 2 == 0:
             send()
@@ -525,23 +533,22 @@ class NodeTier:
                 holder = next((j for j, held in enumerate(nodes) if name in held), None)
                 if holder is not None:
                     plan.append((name, holder, k))
-        error = None
+        problems: list[str] = []
         got: dict[str, int] = {}
         if self.is_leader:
+            for name, src, dst in plan:
+                if src == self.node:
+                    send_file(self.group, here, m, name, self.layout.leader(dst), problems)
+                elif dst == self.node and receive_file(self.group, here, m, name, self.layout.leader(src),
+                                                       problems):
+                    got[name] = m.files[name].size
             try:
-                for name, src, dst in plan:
-                    if src == self.node:
-                        _send(self.group, _read_checked(here, m, name), self.layout.leader(dst))
-                    elif dst == self.node:
-                        blob = _recv(self.group, self.layout.leader(src))
-                        _store(here, name, blob)
-                        got[name] = len(blob)
-                nodes[self.node] |= set(got)  # read from this disk now
                 if got:
                     write_record(here, data, node_id(), got, f"restored-{os.urandom(4).hex()}", m.save_id)
-            except CheckpointError as exc:
-                error = describe_error(exc)
-        failed = {r: e for r, e in enumerate(self.group.all_gather(error)) if e}
+                    nodes[self.node] |= set(got)  # read from this disk now
+            except (CheckpointError, OSError) as exc:
+                problems.append(f"recording {sorted(got)}: {exc}")
+        failed = {r: e for r, e in enumerate(self.group.all_gather("; ".join(problems) or None)) if e}
         if failed:
             raise CorruptCheckpointError(f"restoring {folder}: bringing files from other nodes failed: {failed}")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -109,8 +110,10 @@ def sc_nodes_restore(ctx: dw.Ctx) -> dict:
     mgr = _manager(ctx)
     target = rank_state(ctx.rank, ctx.world, 0, empty=True)
     got: dict[str, Any] = {}
-    res = dw.caught(lambda: got.update(step=mgr.restore(target)))
-    out: dict[str, Any] = {"restore": res, "restored": got.get("step")}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        res = dw.caught(lambda: got.update(step=mgr.restore(target)))
+    out: dict[str, Any] = {"restore": res, "restored": got.get("step"), "warnings": [str(w.message) for w in seen]}
     out["problems"] = problems(target, ctx.rank, ctx.world, ctx.opts["expect"])
     nxt = ctx.opts.get("next")
     if nxt is not None:

@@ -54,6 +54,11 @@ RECORD_PREFIX = "holds-"
 SEND_BLOCK = 64 << 20
 
 
+def step_folder(step: int) -> str:
+    from .manager import step_folder as name  # the manager names the folders; it imports this module
+    return name(step)
+
+
 def node_id() -> str:
     """This process's node: ``$SAFECKPT_NODE_ID``, else the host name."""
     return os.environ.get(NODE_ENV) or socket.gethostname()
@@ -244,7 +249,6 @@ class NodeSaveRun(SaveRun):
             raise SaveAbortedError(f"step {manifest.step}: the save was decided but node(s) {sorted(failed)} "
                                    f"could not record it on their disk; their local copy does not count "
                                    f"(the durable root still gets it): {failed}")
-        from .manager import step_folder
         self.tier.sync.submit(step_folder(manifest.step), data)
         return summary
 
@@ -258,11 +262,9 @@ class NodeSync:
         self.tier = tier
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.busy: str | None = None
 
     def submit(self, folder: str, data: bytes, replicate: bool = True) -> None:
         self.join()
-        self.busy = folder
         self._thread = threading.Thread(target=self._work, args=(folder, data, replicate), name="safeckpt-nodes")
         self._thread.start()
 
@@ -274,8 +276,6 @@ class NodeSync:
             log.error("node tier: replicating %s failed: %s", folder, exc)
             warnings.warn(f"replicating {folder} behind the save failed (the local copies are intact): {exc}",
                           stacklevel=1)
-        finally:
-            self.busy = None
 
     def join(self) -> None:
         if self._thread is not None:
@@ -436,7 +436,6 @@ class NodeTier:
 
     def _retain_local(self) -> None:
         """This node keeps its newest ``keep_local`` recorded steps."""
-        from .manager import step_folder
         keep = self.manager.local_retention.keep_last
         recorded = [s for s in self.manager._step_folders(self.local)
                     if read_holdings(self.local.child(step_folder(s)))]
@@ -445,14 +444,12 @@ class NodeTier:
 
     # -- restoring (foreground group, every rank) ----------------------------------------
     def holdings(self, step: int | None) -> dict[int, dict[str, Holding]]:
-        from .manager import step_folder
         return {s: h for s in self.manager._step_folders(self.local) if step in (None, s)
                 if (h := read_holdings(self.local.child(step_folder(s))))}
 
     def choose(self, per_node: list[Any], step: int | None) -> Any:
         """Rank 0: the newest save whose every file some node or the durable root holds:
         (folder, manifest bytes, files each node holds, whether the durable root has it)."""
-        from .manager import step_folder
         saves: dict[tuple[int, str], tuple[Holding, list[set[str]]]] = {}
         for k, held in enumerate(per_node):
             for s, by_id in held.items():

@@ -23,6 +23,7 @@ from safeckpt.nodes import read_holdings  # noqa: E402
 from safeckpt.storage import LocalStorage  # noqa: E402
 
 import tiered_dist_worker as tw  # noqa: E402  (tests/helpers is on sys.path via conftest.py)
+from s3servers import moto_server, s3_bucket  # noqa: E402,F401  (moto_server: a fixture)
 
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
@@ -226,3 +227,21 @@ def test_corrupt_local_copy_falls_back_to_the_durable_copy(server, tmp_path):
     res = restore(server, tmp_path, 2)
     for data in res:
         assert any("reading the durable copy" in w and "checksum" in w for w in data["warnings"]), data
+
+
+def test_durable_root_on_s3(server, moto_server, tmp_path):
+    """The durable root on an S3 server (moto): every rank uploads its own files there,
+    rank 0 the manifest last; a node's wiped disk restores from the peer, and the next
+    save's upload lands beside."""
+    url, options = f"s3://{s3_bucket(moto_server)}/run", moto_server.options
+    remote = {"durable_url": url, "storage_options": options, "replicas": 1}
+    save(server, tmp_path, [1, 2], **remote)
+    shutil.rmtree(tmp_path / "local-b")
+    res = restore(server, tmp_path, 2, next=3, **remote)
+    assert all(data["next"]["raised"] is None for data in res), res
+    for step in (2, 3):
+        folder = f"{url}/{step_folder(step)}"
+        assert safeckpt.verify(folder, storage_options=options).ok
+        got = safeckpt.load_state(folder, storage_options=options)
+        assert torch.equal(got["m"], tw.mat_full(step)) and got["step"] == step
+    assert not (tmp_path / "durable").exists()

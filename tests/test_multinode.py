@@ -235,11 +235,11 @@ def test_durable_root_on_s3(server, moto_server, tmp_path):
     save's upload lands beside."""
     url, options = f"s3://{s3_bucket(moto_server)}/run", moto_server.options
     remote = {"durable_url": url, "storage_options": options, "replicas": 1}
-    save(server, tmp_path, [1, 2], **remote)
+    save(server, tmp_path, [1], **remote)
     shutil.rmtree(tmp_path / "local-b")
-    res = restore(server, tmp_path, 2, next=3, **remote)
+    res = restore(server, tmp_path, 1, next=2, **remote)
     assert all(data["next"]["raised"] is None for data in res), res
-    for step in (2, 3):
+    for step in (1, 2):
         folder = f"{url}/{step_folder(step)}"
         assert safeckpt.verify(folder, storage_options=options).ok
         got = safeckpt.load_state(folder, storage_options=options)

@@ -142,6 +142,17 @@ def test_async_saves(server, tmp_path):
     restore(server, tmp_path, 2, replicas=1)
 
 
+def test_nodes_that_share_one_local_folder(server, tmp_path):
+    """A "local" path that is in fact shared (NFS): each node records its own part
+    under its own record name, and the folder holds the whole save."""
+    shared = {"local_of": {"b": "a"}}
+    save(server, tmp_path, [1, 2], **shared)
+    assert not (tmp_path / "local-b").exists()
+    assert len(next(iter(holdings(tmp_path, "a", 2).values()))) == 4
+    shutil.rmtree(tmp_path / "durable" / step_folder(2))
+    restore(server, tmp_path, 2, **shared)
+
+
 def test_restore_on_three_ranks_reshards(server, tmp_path):
     save(server, tmp_path, [1])
     restore(server, tmp_path, 1, nodes=["a", "a", "b"])

@@ -87,8 +87,9 @@ class NodeLayout:
 # -- holding records -----------------------------------------------------------------
 
 
-def record_name(save_id: str, tag: str) -> str:
-    return f"{RECORD_PREFIX}{save_id}-{tag}.json"
+def record_name(save_id: str, tag: str, node: str) -> str:
+    """Named for the writing node too: nodes that do share a folder never collide."""
+    return f"{RECORD_PREFIX}{save_id}-{tag}-{checksum(node.encode())[-8:]}.json"
 
 
 def write_record(folder: Storage, manifest_bytes: bytes, node: str, files: dict[str, int], tag: str,
@@ -96,7 +97,7 @@ def write_record(folder: Storage, manifest_bytes: bytes, node: str, files: dict[
     """Record, durably, that ``folder`` holds ``files`` of the save ``manifest_bytes`` commits."""
     payload = json.dumps({"node": node, "files": files, "manifest": manifest_bytes.decode()},
                          sort_keys=True).encode()
-    name = record_name(save_id, tag)
+    name = record_name(save_id, tag, node)
     folder.delete([name])  # a torn record of an earlier attempt at this very record
     folder.write_file(name, [payload, b"\n", checksum(payload).encode(), b"\n"])
 

@@ -1,7 +1,8 @@
 """Simulated nodes on real gloo ranks, for tests/test_multinode.py.
 
 ``opts["nodes"]`` names each rank's node (``SAFECKPT_NODE_ID``, the test hook that
-overrides the host name); a node's ranks share ``ROOT/local-<node>`` and nothing else,
+overrides the host name); a node's ranks share ``ROOT/local-<node>`` and nothing else
+(``opts["local_of"]`` maps a node to another node's folder: nodes sharing one),
 every rank shares ``ROOT/durable`` (or ``opts["durable_url"]``, an S3 test server). Scenarios are added to ``dist_worker.SCENARIOS``
 and ``NodesForkServer`` starts this file as the fork server. The data are pure
 functions of (rank layout, step); the workers observe, the test judges.
@@ -77,7 +78,7 @@ def _manager(ctx: dw.Ctx):
     return safeckpt.CheckpointManager(
         ctx.opts.get("durable_url") or _killer(ctx.root / "durable", "durable"),
         storage_options=ctx.opts.get("storage_options"),
-        local=_killer(ctx.root / f"local-{node}", "local", {r for r, n in enumerate(ctx.opts["nodes"]) if n == node}),
+        local=_killer(ctx.root / f"local-{ctx.opts.get('local_of', {}).get(node, node)}", "local", {r for r, n in enumerate(ctx.opts["nodes"]) if n == node}),
         keep_last=ctx.opts.get("keep_last", 2), keep_local=2, local_replicas=ctx.opts.get("replicas", 0),
         async_save=ctx.opts.get("async_save", False))
 

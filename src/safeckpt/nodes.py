@@ -296,6 +296,9 @@ class NodeTier:
     def __init__(self, manager: "CheckpointManager", layout: NodeLayout, replicas: int) -> None:
         if manager.chunk_size is not None:
             raise ValueError("incremental=True is not supported with a local tier on several nodes")
+        if manager.process_group is not None:  # its background collectives need a group of their own
+            raise ValueError("process_group= is not supported with a local tier on several nodes: the "
+                             "manager runs on the default world (torch.distributed's default group)")
         self.manager = manager
         self.layout = layout
         self.replicas = replicas

@@ -256,3 +256,11 @@ def test_durable_root_on_s3(server, moto_server, tmp_path):
         got = safeckpt.load_state(folder, storage_options=options)
         assert torch.equal(got["m"], tw.mat_full(step)) and got["step"] == step
     assert not (tmp_path / "durable").exists()
+
+
+def test_unsupported_options_are_refused_before_anything_is_written(server, tmp_path):
+    for r, data in enumerate(launch(server, tmp_path, "nodes_refused", "refused", TWO_BY_TWO)
+                             .results("nodes_refused")):
+        for name, res in data.items():
+            assert res["raised"] == "ValueError", (r, name, res)
+    assert not list(tmp_path.glob("local-*/step-*")) and not list(tmp_path.glob("durable/step-*"))

@@ -124,7 +124,24 @@ def sc_nodes_restore(ctx: dw.Ctx) -> dict:
     return out
 
 
-dw.SCENARIOS.update({"nodes_save": sc_nodes_save, "nodes_restore": sc_nodes_restore})
+def sc_nodes_refused(ctx: dw.Ctx) -> dict:
+    """What is not supported on several nodes is refused on every rank before any write."""
+    import safeckpt
+    import torch.distributed as dist
+    os.environ["SAFECKPT_NODE_ID"] = ctx.opts["nodes"][ctx.rank]
+    local, durable = str(ctx.root / f"local-{ctx.opts['nodes'][ctx.rank]}"), str(ctx.root / "durable")
+    out = {}
+    for name, kw in {"incremental": {"incremental": True}, "process_group": {"process_group": dist.group.WORLD},
+                     "replicas": {"local_replicas": 2}}.items():
+        def attempt(kw=kw):
+            with safeckpt.CheckpointManager(durable, local=local, **kw) as mgr:
+                mgr.save(1, rank_state(ctx.rank, ctx.world, 1))
+        out[name] = dw.caught(attempt)
+    return out
+
+
+dw.SCENARIOS.update({"nodes_save": sc_nodes_save, "nodes_restore": sc_nodes_restore,
+                     "nodes_refused": sc_nodes_refused})
 
 
 class NodesForkServer(dw.ForkServer):

@@ -221,7 +221,8 @@ def test_sigkill_during_peer_replication_keeps_the_last_fully_replicated_step(se
     assert all(len(next(iter(holdings(tmp_path, n, 2).values()))) == 2 for n in "ab")  # own files only
     saved = tmp_path / "local-b-saved"
     shutil.move(tmp_path / "local-b", saved)
-    restore(server, tmp_path, 1, name="restore-a-only", replicas=1)
+    res = restore(server, tmp_path, 1, name="restore-a-only", replicas=1)
+    assert any("step 2" in w and "passed over" in w for w in res[0]["warnings"]), res[0]["warnings"]
     shutil.rmtree(tmp_path / "local-b")
     shutil.move(saved, tmp_path / "local-b")
     restore(server, tmp_path, 2, name="restore-both", replicas=1)

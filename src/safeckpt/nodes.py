@@ -461,19 +461,25 @@ class NodeTier:
                     entry = saves.setdefault((s, sid), (h, [set() for _ in per_node]))
                     entry[1][k] |= set(h.files)
         durable = {s: m for s, m in self.manager._committed(self.manager.storage).items() if step in (None, s)}
-        options = []
+        options, partial = [], []
         for (s, sid), (h, nodes) in saves.items():
             there = set(durable[s].files) if s in durable and durable[s].save_id == sid else set()
-            if set(h.manifest.files) <= set().union(there, *nodes):
+            missing = set(h.manifest.files) - set().union(there, *nodes)
+            if not missing:
                 options.append((s, h.manifest.created, h.manifest_bytes, [sorted(n) for n in nodes], bool(there)))
             else:
-                log.info("step %s (save %s) is not fully held by the nodes nor the durable root: skipped", s, sid)
+                partial.append((s, f"step {s} (save {sid}): {len(missing)} of its {len(h.manifest.files)} files "
+                               "are on no node's disk and not in the durable root"))
         for s, m in durable.items():
             if not any(o[0] == s and decode_manifest(o[2], "").save_id == m.save_id for o in options):
                 options.append((s, m.created, encode_manifest(m), [[] for _ in per_node], True))
         if not options:
             return None
         s, _, data, nodes, there = max(options, key=lambda o: (o[0], o[1]))
+        newer = [text for step_, text in sorted(partial) if step_ >= s]
+        if newer:
+            warnings.warn("restore: passed over copies held only in part (never loaded):\n  "
+                          + "\n  ".join(newer), stacklevel=4)
         return step_folder(s), data, nodes, there
 
     def restore(self, state: dict, step: int | None, strict: bool) -> int | None:

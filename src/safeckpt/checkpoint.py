@@ -25,6 +25,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointE
 from .group import resolve
 from .manifest import (Manifest, decode_manifest, encode_values, is_shared, manifest_name, manifest_seq,
                        shared_location)
+from .plan import overlap
 from .reader import TensorReader
 from .state import FlatState, LoadPlanner, flatten
 from .storage import Storage
@@ -187,6 +188,7 @@ class SaveRequest:
     run_id: str | None = None
     chunk_size: int | None = None  # incremental: share chunks with ``base``'s checkpoint
     base: Callable[[], "tuple[str, Manifest] | None"] | None = None  # rank 0: (sibling folder, manifest)
+    runner: Callable[..., SaveRun] = SaveRun  # the protocol; the node tier commits on many disks
 
     def flattener(self, state: dict) -> Callable[[], FlatState]:
         """How this rank turns ``state`` into pieces; a bad state is refused before
@@ -198,7 +200,7 @@ class SaveRequest:
 
     def run(self, flattener: Callable[[], FlatState], started: float) -> CheckpointInfo:
         """Run the commit protocol; returns once the checkpoint is committed."""
-        manifest = SaveRun(self.group, self.storage, overwrite=self.overwrite, step=self.step,
+        manifest = self.runner(self.group, self.storage, overwrite=self.overwrite, step=self.step,
                            metadata=self.metadata, metrics=self.metrics, new_save_id=new_save_id,
                            existing=read_existing, before_commit=self.before_commit,
                            run_id=self.run_id, chunk_size=self.chunk_size, base=self.base).run(flattener)
@@ -333,7 +335,16 @@ def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = Tru
         raise TypeError(f"state must be a dict, not {type(state).__name__}")
     group = resolve(process_group)
     storage = open_storage(path, **(storage_options or {}))
-    manifest = _committed_for_group(storage, group)
+    load_manifest(state, storage, _committed_for_group(storage, group), group, strict=strict, verify=verify,
+                  allow_pickle=allow_pickle, keys=keys)
+
+
+def load_manifest(state: dict, storage: Storage, manifest: Manifest, group: Any, *, strict: bool = True,
+                  verify: bool = True, allow_pickle: bool = False, keys: "list | None" = None,
+                  before_read: "Callable[[set[str]], None] | None" = None) -> None:
+    """``load`` of a manifest every rank already holds; ``before_read`` (a collective
+    when given: every rank calls it) gets the files this rank will read, before any
+    tensor is read (the node tier brings missing ones from a peer there)."""
     planner = LoadPlanner(manifest.tensors, strict, allow_pickle, group.rank, group.size)
     error: BaseException | None = None
     try:
@@ -351,12 +362,23 @@ def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = Tru
     if planner.problems:
         warn(f"loaded {storage.url} with strict=False; not loaded:\n  " + "\n  ".join(planner.problems),
              PartialLoadWarning)
+    if before_read is not None:
+        before_read(files_read(planner.reads))
     try:
         TensorReader(storage, manifest, verify).run(planner.reads)
         build()
     except CheckpointError as exc:
         error = exc
     _agree_or_undo(group, error, f"loading {storage.url}", planner)
+
+
+def files_read(reads: list) -> set[str]:
+    """The data files these reads touch: those with a chunk that meets a read's box."""
+    out: set[str] = set()
+    for r in reads:
+        box = r.box or ((0,) * len(r.entry.shape), tuple(r.entry.shape))
+        out |= {c.file for c in r.entry.chunks if overlap(box, (tuple(c.offsets), tuple(c.shape))) is not None}
+    return out
 
 
 def _agree_or_undo(group: Any, error: BaseException | None, what: str, planner: LoadPlanner) -> None:

@@ -107,10 +107,11 @@ class SaveRun:
         self.old: Manifest | None = None
         self.tree: Any = None  # rank 0: the merged tree of every rank
         self.committed = False
+        self.where = storage.url  # what the ranks must agree they save to
 
     def run(self, flatten: Any) -> Manifest:
         flat = self._guard(flatten)
-        intent = Intent(self.storage.url, self.step, [p.info for p in flat.pieces.values()] if flat else [],
+        intent = Intent(self.where, self.step, [p.info for p in flat.pieces.values()] if flat else [],
                         flat.aliases if flat else {}, flat.tree if flat else None,
                         describe_error(self.local_error) if self.local_error else None,
                         flat.has_local if flat else False)

@@ -26,6 +26,7 @@ from .group import SingleGroup, TorchGroup, resolve
 from .lease import WriterLease
 from .manifest import Manifest
 from .names import STEP_RE, step_folder
+from .nodes import NodeLayout, NodeTier
 from .retention import Retention
 from .storage import Storage
 from .storage import open as open_storage
@@ -57,7 +58,9 @@ class CheckpointManager:
     With ``local=PATH`` saves commit on that (fast, node-local) disk and are copied to
     ``root`` in the background, data first and manifest last (see ``tiered``); the
     local tier keeps the newest ``keep_local``, ``root`` follows the retention rules,
-    and ``restore`` takes the newest valid checkpoint of either tier, local first."""
+    and ``restore`` takes the newest valid checkpoint of either tier, local first. When
+    the ranks span several nodes, ``local`` is each node's own disk (see ``nodes``;
+    ``local_replicas=1`` also keeps each node's files on the next node)."""
 
     def __init__(self, root: "str | Storage", *, keep_last: int | None = None,
                  keep_best: int | None = None, best_metric: str | None = None,
@@ -66,7 +69,7 @@ class CheckpointManager:
                  allow_pickle: bool = False, handle_sigterm: bool = False,
                  incremental: bool = False, chunk_size: int = CHUNK_SIZE,
                  full_every: int | None = None, local: "str | Storage | None" = None,
-                 keep_local: int = 2) -> None:
+                 keep_local: int = 2, local_replicas: int = 0) -> None:
         if type(chunk_size) is not int or chunk_size < MIN_CHUNK_SIZE:
             raise ValueError(f"chunk_size must be an int of at least {MIN_CHUNK_SIZE} (bytes), not {chunk_size!r}")
         if full_every is not None and (type(full_every) is not int or full_every < 1):
@@ -84,6 +87,10 @@ class CheckpointManager:
         self._replicator = None if self.local is None else Replicator(
             self.local, self.storage, lambda: [step_folder(s) for s in self._step_folders(self.storage)],
             before_commit=self._check_lease, after=self._after_replication)
+        if local_replicas not in (0, 1):
+            raise ValueError(f"local_replicas must be 0 or 1, not {local_replicas!r}")
+        self.local_replicas = local_replicas
+        self._nodes: NodeTier | None | bool = None if self.local is not None else False  # False: one node
         self.process_group = process_group
         self.allow_pickle = allow_pickle
         self.run_id = uuid.uuid4().hex[:16]
@@ -106,6 +113,16 @@ class CheckpointManager:
         if self._group is None:
             self._group = resolve(self.process_group)
         return self._group
+
+    def _node_tier(self) -> "NodeTier | None":
+        """The local tier across several nodes (``nodes``), decided on first use by every
+        rank; then the manager's listings and retention are the durable root's."""
+        if self._nodes is None:
+            layout = NodeLayout.of(self.group)
+            self._nodes = len(layout.nodes) > 1 and NodeTier(self, layout, self.local_replicas)
+            if self._nodes:
+                self.tiers = [self.storage]
+        return self._nodes or None
 
     def _on_rank0(self, fn: Any) -> Any:
         """Run ``fn`` on rank 0 and give every rank its result (or its error)."""
@@ -187,13 +204,16 @@ class CheckpointManager:
         if self._replicator is None or not self._leased:  # the same decision on every rank
             self._on_rank0(self._check_lease)  # a second job fails here, before writing anything
             self._leased = True
-        folder = self.save_root.child(step_folder(step))
+        nodes = self._node_tier()
+        folder = (self.local if nodes else self.save_root).child(step_folder(step))
         group = background_group(self.process_group) if self._saver else self.group
         request = save_request(folder, metadata=metadata, metrics=metrics, step=step,
                                process_group=group, allow_pickle=self.allow_pickle,
                                before_commit=self._check_lease if self._replicator is None else None)
         request.run_id = self.run_id
         request.overwrite = self._may_replace(step)
+        if nodes:
+            nodes.prepare(request)
         self._saves += 1
         if self.chunk_size is not None:
             request.chunk_size = self.chunk_size  # chunks are hashed even by a full save, to share later
@@ -227,7 +247,7 @@ class CheckpointManager:
         blocked = "" if blocked_seconds is None else f", caller blocked {blocked_seconds:.3f}s"
         log.info("saved step %s: %d bytes in %.3fs (%.2f GB/s)%s to %s",
                  info.step, info.bytes, info.seconds, info.gbps, blocked, info.path)
-        if self.group.rank != 0:
+        if self.group.rank != 0 or self._nodes:  # the node tier retains behind its uploads
             return
         retention = self.retention if self._replicator is None else self.local_retention
         copying = set() if self._replicator is None else self._replicator.in_flight
@@ -315,9 +335,10 @@ class CheckpointManager:
         self.wait()  # a save in flight is not garbage
         if not dry_run:
             self._check_lease()
-        if len(self.tiers) == 1:
+        tiers = self.tiers if self._nodes is False or self.group.size == 1 else [self.storage]
+        if len(tiers) == 1:  # a node's disk holds no manifest: gc is the node tier's retention
             return garbage.collect(self.storage, min_age_s=min_age_s, dry_run=dry_run)
-        return [f"{t.url}/{name}" for t in self.tiers
+        return [f"{t.url}/{name}" for t in tiers
                 for name in garbage.collect(t, min_age_s=min_age_s, dry_run=dry_run)]
 
     # -- restoring ---------------------------------------------------------------------
@@ -332,6 +353,8 @@ class CheckpointManager:
         checkpoint's run."""
         self._check_open()
         self.wait()
+        if nodes := self._node_tier():
+            return nodes.restore(state, step, strict)
         where = " and ".join(t.url for t in self.tiers)
         candidates = self._on_rank0(lambda: self._candidates(step))
         skipped: list[str] = []
@@ -419,6 +442,8 @@ class CheckpointManager:
         info = self._saver.wait() if self._saver is not None else None
         if self._replicator is not None:
             self._replicator.wait()
+        if self._nodes:
+            self._nodes.sync.wait()
         return info
 
     def close(self) -> None:
@@ -433,6 +458,8 @@ class CheckpointManager:
             try:
                 if self._replicator is not None:
                     self._replicator.close()
+                if self._nodes:
+                    self._nodes.sync.wait()
             finally:
                 self._restore_handler()
 

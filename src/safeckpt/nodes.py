@@ -1,0 +1,586 @@
+"""The local tier on many nodes: each node's ranks commit to that node's own disk.
+
+Nodes are told apart by host name (``SAFECKPT_NODE_ID`` overrides it: a test hook, and
+for hosts that share a name). A save runs the usual protocol, except that no rank
+sees every file: each rank writes its data file to its node's local folder, rank 0
+decides the commit from the ranks' reports, and then every node records the decision
+on its own disk in a *holding record* (``holds-<save_id>-<tag>.json``: the files of
+the save this folder holds, and the job's full manifest). A node's copy belongs to a
+committed save exactly when such a record is valid there (its checksum matches and
+every file it lists exists with that size); data without a record is an aborted save.
+
+Behind each save, on a background gloo group (never the training's), every rank in
+the same order: with ``local_replicas=1`` each node's first rank sends its node's files
+to the next node, which records them (``holds-<id>-peer.json``); then every rank copies
+its own data files to the durable root, and rank 0 writes the durable manifest last,
+once every rank has confirmed its upload.
+
+Restore: the nodes' first ranks tell rank 0 what their disks hold; rank 0 picks the
+newest save whose files are all held by some node or by the durable root (a save
+never half available is never chosen), each rank plans its reads, files a node lacks
+are sent by a node that holds them (and recorded there, healing a replaced disk), and
+the rest is read from the durable root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .checkpoint import load_manifest, read_committed
+from .checksum import checksum
+from .commit import (DATA_RE, SaveRun, describe_error, read_existing, refuse_existing, retire_replaced,
+                     write_manifest)
+from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, ReplicationWarning, SaveAbortedError,
+                     SkippedCheckpointWarning, StorageError, warn)
+from .group import TorchGroup, resolve
+from .manifest import Manifest, decode_manifest, encode_manifest, manifest_name, manifest_seq
+from .names import step_folder
+from .storage import Storage
+from .tiered import _checked_parts, copy_file, file_checks
+
+if TYPE_CHECKING:
+    from .manager import CheckpointManager
+
+log = logging.getLogger(__name__)
+NODE_ENV = "SAFECKPT_NODE_ID"
+RECORD_PREFIX = "holds-"
+SEND_BLOCK = 64 << 20
+
+
+def node_id() -> str:
+    """This process's node: ``$SAFECKPT_NODE_ID``, else the host name."""
+    return os.environ.get(NODE_ENV) or socket.gethostname()
+
+
+@dataclass
+class NodeLayout:
+    """Which ranks share a node (and so a local folder); node k's first rank leads it."""
+
+    nodes: list[str]
+    node_of: list[int]  # rank -> node index
+
+    @classmethod
+    def of(cls, group: Any) -> "NodeLayout":
+        ids = group.all_gather(node_id())
+        nodes = list(dict.fromkeys(ids))
+        return cls(nodes, [nodes.index(i) for i in ids])
+
+    def ranks(self, node: int) -> list[int]:
+        return [r for r, k in enumerate(self.node_of) if k == node]
+
+    def leader(self, node: int) -> int:
+        return self.ranks(node)[0]
+
+
+# -- holding records -----------------------------------------------------------------
+
+
+def record_name(save_id: str, tag: str, node: str) -> str:
+    """Named for the writing node too: nodes that do share a folder never collide."""
+    return f"{RECORD_PREFIX}{save_id}-{tag}-{checksum(node.encode())[-8:]}.json"
+
+
+def write_record(folder: Storage, manifest_bytes: bytes, node: str, files: dict[str, int], tag: str,
+                 save_id: str) -> None:
+    """Record, durably, that ``folder`` holds ``files`` of the save ``manifest_bytes`` commits."""
+    payload = json.dumps({"node": node, "files": files, "manifest": manifest_bytes.decode()},
+                         sort_keys=True).encode()
+    name = record_name(save_id, tag, node)
+    folder.delete([name])  # a torn record of an earlier attempt at this very record
+    folder.write_file(name, [payload, b"\n", checksum(payload).encode(), b"\n"])
+
+
+@dataclass
+class Holding:
+    """What one node's folder holds of one committed save."""
+
+    manifest: Manifest
+    manifest_bytes: bytes
+    files: dict[str, int]
+
+
+def read_holdings(folder: Storage) -> dict[str, Holding]:
+    """Valid records of ``folder`` by save id; a record naming a missing or resized file,
+    a torn one, or one whose manifest is damaged counts for nothing."""
+    listing = folder.listdir()
+    out: dict[str, Holding] = {}
+    for name in sorted(n for n in listing if n.startswith(RECORD_PREFIX) and n.endswith(".json")):
+        try:
+            payload, stored, _ = folder.read(name).split(b"\n")
+            if checksum(payload) != stored.decode():
+                continue
+            body = json.loads(payload)
+            data = body["manifest"].encode()
+            m = decode_manifest(data, f"{folder.url}/{name}")
+        except (ValueError, KeyError, CheckpointError, OSError):
+            continue
+        files = {f: int(s) for f, s in body["files"].items()}
+        if any(listing.get(f) != s or f not in m.files for f, s in files.items()):
+            continue
+        held = out.setdefault(m.save_id, Holding(m, data, {}))
+        held.files.update(files)
+    return out
+
+
+def drop_other_saves(folder: Storage, keep: str) -> None:
+    """After a node recorded save ``keep`` in ``folder``: records first, then data, of
+    every other save there (replaced ones and aborted attempts)."""
+    listing = folder.listdir()
+    folder.delete([n for n in listing if n.startswith(RECORD_PREFIX) and f"{RECORD_PREFIX}{keep}-" not in n])
+    folder.delete([n for n in listing if (m := DATA_RE.fullmatch(n)) and m.group(1) != keep])
+
+
+def delete_local(folder: Storage) -> None:
+    """Retention on one node: records first (the copy stops counting), then the rest."""
+    listing = folder.listdir()
+    folder.delete([n for n in listing if n.startswith(RECORD_PREFIX)])
+    folder.delete([n for n in listing if listing[n] is not None])
+    folder.remove_folder()
+
+
+# -- bytes between ranks -------------------------------------------------------------
+
+
+def _send(group: TorchGroup, data: bytes, dst: int) -> None:
+    import torch
+    dist = group.dist
+    peer = dist.get_global_rank(group.pg, dst)
+    group._run("send", lambda: dist.send(torch.tensor([len(data)], dtype=torch.int64), peer, group=group.pg))
+    for lo in range(0, len(data), SEND_BLOCK):
+        block = torch.frombuffer(bytearray(data[lo:lo + SEND_BLOCK]), dtype=torch.uint8)
+        group._run("send", lambda b=block: dist.send(b, peer, group=group.pg))
+
+
+def _recv(group: TorchGroup, src: int) -> bytes:
+    import torch
+    dist = group.dist
+    peer = dist.get_global_rank(group.pg, src)
+    size = torch.zeros(1, dtype=torch.int64)
+    group._run("recv", lambda: dist.recv(size, peer, group=group.pg))
+    out = bytearray()
+    for lo in range(0, int(size), SEND_BLOCK):
+        block = torch.empty(min(SEND_BLOCK, int(size) - lo), dtype=torch.uint8)
+        group._run("recv", lambda b=block: dist.recv(b, peer, group=group.pg))
+        out += block.numpy().tobytes()
+    return bytes(out)
+
+
+def _read_checked(folder: Storage, m: Manifest, name: str) -> bytes:
+    """A whole data file, every checksummed range checked: rot is never copied on."""
+    f = m.files[name]
+    return b"".join(_checked_parts(folder, name, f.size, file_checks(m).get(name, []), f.checksum))
+
+
+def send_file(group: TorchGroup, folder: Storage, m: Manifest, name: str, dst: int, problems: list[str]) -> None:
+    """Send one data file, checked; one that cannot be read goes as nothing (and is
+    reported here), so the exchange stays in step and the receiver stores nothing."""
+    try:
+        blob = _read_checked(folder, m, name)
+    except (CheckpointError, OSError) as exc:
+        problems.append(f"reading {name}: {exc}")
+        blob = b""
+    _send(group, blob, dst)
+
+
+def receive_file(group: TorchGroup, folder: Storage, m: Manifest, name: str, src: int,
+                 problems: list[str]) -> bool:
+    """Receive one data file into ``folder``; True when it arrived whole and is durable."""
+    blob = _recv(group, src)
+    try:
+        if len(blob) != m.files[name].size:
+            raise SaveAbortedError(f"{name} arrived with {len(blob)} bytes, not {m.files[name].size} "
+                                   "(the sender could not read it)")
+        folder.delete([name])  # a leftover of an interrupted transfer: no record names it
+        folder.write_file(name, [blob])
+        return True
+    except (CheckpointError, OSError) as exc:
+        problems.append(f"storing {name}: {exc}")
+        return False
+
+
+# -- saving ----------------------------------------------------------------------------
+
+
+class NodeSaveRun(SaveRun):
+    """The save protocol with the data on every node's own disk (see module docstring)."""
+
+    def __init__(self, *args: Any, tier: "NodeTier", **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "existing": tier.existing})
+        self.tier = tier
+        self.encoded: bytes | None = None
+        self.where = f"<each node's local tier>/{self.storage.url.rsplit('/', 1)[-1]}"
+
+    def _check_visible(self, reports: list) -> None:
+        """No rank sees the other nodes' disks: each report is its rank's fsynced file."""
+
+    def _write_manifest(self, manifest: Manifest) -> None:
+        self.encoded = encode_manifest(manifest)  # the decision; recorded on every node below
+        self.committed = True
+
+    def _retire_old(self, manifest: Manifest) -> None:
+        """Each node drops the replaced save once it has recorded the new one."""
+
+    def run(self, flatten: Any) -> Manifest:
+        summary = super().run(flatten)
+        data = self.group.broadcast(self.encoded)
+        manifest = decode_manifest(data, "the commit decision")
+        error = None
+        layout, rank = self.tier.layout, self.group.rank
+        if rank == layout.leader(layout.node_of[rank]):
+            mine = {n: f.size for n, f in manifest.files.items() if layout.node_of[f.rank] == layout.node_of[rank]}
+            try:
+                write_record(self.storage, data, node_id(), mine, "own", manifest.save_id)
+                drop_other_saves(self.storage, manifest.save_id)
+            except Exception as exc:  # noqa: BLE001 - every rank learns of it below
+                error = describe_error(exc)
+        failed = {layout.nodes[layout.node_of[r]]: e for r, e in enumerate(self.group.all_gather(error)) if e}
+        if failed:
+            raise SaveAbortedError(f"step {manifest.step}: the save was decided but node(s) {sorted(failed)} "
+                                   f"could not record it on their disk; their local copy does not count "
+                                   f"(the durable root still gets it): {failed}")
+        self.tier.sync.submit(step_folder(manifest.step), data)
+        return summary
+
+
+class NodeSync:
+    """Every rank's background worker: peer replica, then upload, then the durable
+    manifest. Jobs run one at a time and in the order of the saves on every rank (their
+    collectives must match), so ``submit`` waits for the job before."""
+
+    def __init__(self, tier: "NodeTier") -> None:
+        self.tier = tier
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, folder: str, data: bytes, replicate: bool = True) -> None:
+        self.join()
+        self._thread = threading.Thread(target=self._work, args=(folder, data, replicate), name="safeckpt-nodes")
+        self._thread.start()
+
+    def _work(self, folder: str, data: bytes, replicate: bool) -> None:
+        try:
+            self.tier.behind(folder, data, replicate)
+        except BaseException as exc:  # noqa: BLE001 - kept for wait(); training goes on
+            self._error = exc
+            log.error("node tier: replicating %s failed: %s", folder, exc)
+            warn(f"replicating {folder} behind the save failed (the local copies are intact): {exc}",
+                 ReplicationWarning)
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def wait(self) -> None:
+        self.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+class NodeTier:
+    """The manager's local tier when its ranks span several nodes."""
+
+    def __init__(self, manager: "CheckpointManager", layout: NodeLayout, replicas: int) -> None:
+        if manager.chunk_size is not None:
+            raise ValueError("incremental=True is not supported with a local tier on several nodes")
+        if manager.process_group is not None:  # its background collectives need a group of their own
+            raise ValueError("process_group= is not supported with a local tier on several nodes: the "
+                             "manager runs on the default world (torch.distributed's default group)")
+        self.manager = manager
+        self.layout = layout
+        self.replicas = replicas
+        self.group = manager.group
+        self.background = resolve(manager.process_group, purpose="nodes")
+        self.sync = NodeSync(self)
+
+    @property
+    def local(self) -> Storage:
+        return self.manager.local
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def node(self) -> int:
+        return self.layout.node_of[self.rank]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.layout.leader(self.node)
+
+    def prepare(self, request: Any) -> None:
+        request.runner = functools.partial(NodeSaveRun, tier=self)
+
+    def existing(self, folder: Storage) -> tuple[Manifest | None, int]:
+        """Rank 0: the save its node recorded in ``folder`` (what a new save replaces)."""
+        held = read_holdings(folder)
+        newest = max(held.values(), key=lambda h: h.manifest.created, default=None)
+        seq = max((h.manifest.seq for h in held.values()), default=0)
+        return (newest.manifest if newest else None), seq
+
+    # -- behind each save (background group, every rank, in order) -----------------------
+    def behind(self, folder: str, data: bytes, replicate: bool = True) -> None:
+        m = decode_manifest(data, folder)
+        try:
+            replica_error = self._replicate(folder, m, data) if self.replicas and replicate else None
+            self._upload(folder, m)
+        finally:
+            if self.is_leader:
+                self._retain_local()
+        if replica_error:
+            raise SaveAbortedError(f"node {node_id()}: the peer replica of step {m.step} is incomplete "
+                                   f"(the durable copy is not affected): {replica_error}")
+
+    def _replicate(self, folder: str, m: Manifest, data: bytes) -> str | None:
+        """Node k's first rank sends its node's files to node k+1's (a ring); the receiver
+        records what arrived whole. Sends and receives alternate by node parity, so no
+        pair waits on the other; a file that cannot be read or stored is reported, never
+        left half-way in the exchange (the ranks' collectives stay in step)."""
+        if not self.is_leader:
+            return None
+        g, count, k = self.background, len(self.layout.nodes), self.node
+        nxt, prev = self.layout.leader((k + 1) % count), self.layout.leader((k - 1) % count)
+        here = self.local.child(folder)
+        mine = sorted(n for n, f in m.files.items() if self.layout.node_of[f.rank] == k)
+        problems: list[str] = []
+
+        def send() -> None:
+            _send(g, json.dumps(mine).encode(), nxt)
+            for name in mine:
+                send_file(g, here, m, name, nxt, problems)
+
+        def receive() -> dict[str, int]:
+            names = json.loads(_recv(g, prev))
+            return {n: m.files[n].size for n in names if receive_file(g, here, m, n, prev, problems)}
+
+        if k % 2 == 0:
+            send()
+            got = receive()
+        else:
+            got = receive()
+            send()
+        try:
+            if got:
+                write_record(here, data, node_id(), got, "peer", m.save_id)
+        except (CheckpointError, OSError) as exc:
+            problems.append(f"recording the replica: {exc}")
+        log.info("node %s: holds the replica of step %s from the node before", node_id(), m.step)
+        return "; ".join(problems) or None
+
+    def _upload(self, folder: str, m: Manifest) -> None:
+        """Every rank copies its own files; rank 0 commits the durable copy last."""
+        g, src, dst = self.background, self.local.child(folder), self.manager.storage.child(folder)
+        go = self._durable_plan(dst, m) if g.rank == 0 else None
+        go = g.broadcast(go)
+        if isinstance(go, str):
+            raise SaveAbortedError(go)
+        error = None
+        if go:
+            checks = file_checks(m)
+            try:
+                for name, f in m.files.items():
+                    if f.rank == g.rank:
+                        dst.delete([name])  # a leftover of an interrupted upload
+                        copy_file(src, name, dst, name, f.size, checks.get(name, ()), f.checksum)
+            except Exception as exc:  # noqa: BLE001 - reported to rank 0
+                error = describe_error(exc)
+        errors = g.gather(error)
+        outcome = None
+        if g.rank == 0 and go:
+            failed = {r: e for r, e in enumerate(errors) if e}
+            try:
+                if failed:
+                    raise SaveAbortedError(f"uploading step {m.step} to {dst.url} failed on rank(s) "
+                                           f"{sorted(failed)}: {failed}; no durable manifest written")
+                self._commit_durable(dst, m)
+            except Exception as exc:  # noqa: BLE001 - every rank raises it
+                outcome = describe_error(exc)
+        outcome = g.broadcast(outcome)
+        if outcome:
+            raise SaveAbortedError(outcome)
+
+    def _durable_plan(self, dst: Storage, m: Manifest) -> bool | str:
+        """Rank 0: upload (True), already there (False) or why not (a message)."""
+        try:
+            old, max_seq = read_existing(dst)
+            if old is not None and old.save_id == m.save_id:
+                return False
+            refuse_existing(dst, old, max_seq, self.manager._may_replace(m.step))
+            return True
+        except Exception as exc:  # noqa: BLE001
+            return describe_error(exc)
+
+    def _commit_durable(self, dst: Storage, m: Manifest) -> None:
+        old, max_seq = read_existing(dst)
+        final = dataclasses.replace(m, seq=max(m.seq, max_seq + 1))
+        listing = dst.listdir()
+        dst.delete([n for n in listing if (manifest_seq(n) is not None and (old is None or
+                    n != manifest_name(old.seq))) or (DATA_RE.fullmatch(n) and n not in m.files
+                    and (old is None or n not in old.files))])
+        self.manager._check_lease()
+        write_manifest(dst, final, "upload")
+        read_committed(dst)
+        retire_replaced(dst, old, final)
+        log.info("step %s is durable in %s", m.step, dst.url)
+        self.manager._after_replication(final)
+
+    def _retain_local(self) -> None:
+        """This node keeps its newest ``keep_local`` recorded steps."""
+        keep = self.manager.local_retention.keep_last
+        recorded = [s for s in self.manager._step_folders(self.local)
+                    if read_holdings(self.local.child(step_folder(s)))]
+        for s in recorded[:-keep] if keep else []:
+            delete_local(self.local.child(step_folder(s)))
+
+    # -- restoring (foreground group, every rank) ----------------------------------------
+    def holdings(self, step: int | None) -> dict[int, dict[str, Holding]]:
+        return {s: h for s in self.manager._step_folders(self.local) if step in (None, s)
+                if (h := read_holdings(self.local.child(step_folder(s))))}
+
+    def choose(self, per_node: list[Any], step: int | None) -> Any:
+        """Rank 0: the newest save whose every file some node or the durable root holds:
+        (folder, manifest bytes, files each node holds, whether the durable root has it)."""
+        saves: dict[tuple[int, str], tuple[Holding, list[set[str]]]] = {}
+        for k, held in enumerate(per_node):
+            for s, by_id in held.items():
+                for sid, h in by_id.items():
+                    entry = saves.setdefault((s, sid), (h, [set() for _ in per_node]))
+                    entry[1][k] |= set(h.files)
+        durable = {s: m for s, m in self.manager._committed(self.manager.storage).items() if step in (None, s)}
+        options, partial = [], []
+        for (s, sid), (h, nodes) in saves.items():
+            there = set(durable[s].files) if s in durable and durable[s].save_id == sid else set()
+            missing = set(h.manifest.files) - set().union(there, *nodes)
+            if not missing:
+                options.append((s, h.manifest.created, h.manifest_bytes, [sorted(n) for n in nodes], bool(there)))
+            else:
+                partial.append((s, f"step {s} (save {sid}): {len(missing)} of its {len(h.manifest.files)} files "
+                               "are on no node's disk and not in the durable root"))
+        for s, m in durable.items():
+            if not any(o[0] == s and decode_manifest(o[2], "").save_id == m.save_id for o in options):
+                options.append((s, m.created, encode_manifest(m), [[] for _ in per_node], True))
+        if not options:
+            return None
+        s, _, data, nodes, there = max(options, key=lambda o: (o[0], o[1]))
+        newer = [text for step_, text in sorted(partial) if step_ >= s]
+        if newer:
+            warn("restore: passed over copies held only in part (never loaded):\n  " + "\n  ".join(newer),
+                 SkippedCheckpointWarning)
+        return step_folder(s), data, nodes, there
+
+    def restore(self, state: dict, step: int | None, strict: bool) -> int | None:
+        mine = self.holdings(step) if self.is_leader else None
+        gathered = self.group.gather(mine)
+        choice = None
+        if self.rank == 0:
+            leaders = [self.layout.leader(k) for k in range(len(self.layout.nodes))]
+            try:
+                choice = self.choose([gathered[r] for r in leaders], step)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank
+                choice = exc
+        choice = self.group.broadcast(choice)
+        if isinstance(choice, Exception):
+            raise choice
+        if choice is None:
+            if step is not None:
+                raise CheckpointNotFoundError(f"no node and not {self.manager.storage.url} holds step {step} whole")
+            return None
+        folder, data, nodes, durable_ok = choice
+        m = decode_manifest(data, folder)
+        held = [set(n) for n in nodes]
+        durable = self.manager.storage.child(folder) if durable_ok else None
+        try:
+            load_manifest(state, Nearest(self.local.child(folder), durable, held[self.node]), m, self.group,
+                          strict=strict, allow_pickle=self.manager.allow_pickle,
+                          before_read=lambda need: self._bring(folder, m, data, held, need))
+        except (CorruptCheckpointError, StorageError) as exc:  # every rank raised it together
+            if durable is None:
+                raise
+            warn(f"restoring {folder} from the nodes' disks failed ({exc}); reading the durable copy "
+                 f"{durable.url} instead", SkippedCheckpointWarning)
+            load_manifest(state, durable, m, self.group, strict=strict, allow_pickle=self.manager.allow_pickle)
+        self.manager.run_id = m.run_id or self.manager.run_id
+        if not durable_ok:
+            self._upload_later(folder, m, data, held[self.node])
+        log.info("restored step %s (%s)", m.step, "local disks" if not durable_ok else "local disks and durable root")
+        return m.step
+
+    def _upload_later(self, folder: str, m: Manifest, data: bytes, held: set[str]) -> None:
+        """After restoring a save the durable root lacks (the last job died before its
+        upload): upload it now, if every rank's own files are on its node's disk (the
+        same layout as the save)."""
+        mine = {n for n, f in m.files.items() if f.rank == self.rank}
+        ready = m.world_size == self.group.size and mine <= held
+        if all(self.group.all_gather(ready)):
+            self.sync.submit(folder, data, replicate=False)
+
+    def _bring(self, folder: str, m: Manifest, data: bytes, nodes: list[set[str]], need: set[str]) -> None:
+        """Each node gets, from a node holding them, the files its ranks will read and
+        neither its disk nor the durable root has (peer first: it is nearer)."""
+        needs = self.group.all_gather(sorted(need))
+        here = self.local.child(folder)
+        plan = []  # (file, from node, to node)
+        for k in range(len(self.layout.nodes)):
+            lacking = set().union(*(needs[r] for r in self.layout.ranks(k))) - nodes[k]
+            for name in sorted(lacking):
+                holder = next((j for j, held in enumerate(nodes) if name in held), None)
+                if holder is not None:
+                    plan.append((name, holder, k))
+        problems: list[str] = []
+        got: dict[str, int] = {}
+        if self.is_leader:
+            for name, src, dst in plan:
+                if src == self.node:
+                    send_file(self.group, here, m, name, self.layout.leader(dst), problems)
+                elif dst == self.node and receive_file(self.group, here, m, name, self.layout.leader(src),
+                                                       problems):
+                    got[name] = m.files[name].size
+            try:
+                if got:
+                    write_record(here, data, node_id(), got, f"restored-{os.urandom(4).hex()}", m.save_id)
+                    nodes[self.node] |= set(got)  # read from this disk now
+            except (CheckpointError, OSError) as exc:
+                problems.append(f"recording {sorted(got)}: {exc}")
+        failed = {r: e for r, e in enumerate(self.group.all_gather("; ".join(problems) or None)) if e}
+        if failed:
+            raise CorruptCheckpointError(f"restoring {folder}: bringing files from other nodes failed: {failed}")
+
+
+class Nearest(Storage):
+    """Reads each file from this node's folder when a record there names it (``held``),
+    else from the durable root: a file no record names may be a torn leftover."""
+
+    def __init__(self, local: Storage, durable: Storage | None, held: set[str]) -> None:
+        self.primary, self.durable, self.held = local, durable, held
+        self.url = local.url
+
+    def _pick(self, name: str) -> Storage:
+        return self.primary if name in self.held or self.durable is None else self.durable
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        self._pick(name).read_into(name, offset, out)
+
+    def listdir(self) -> dict[str, int | None]:
+        return {**(self.durable.listdir() if self.durable else {}), **self.primary.listdir()}
+
+    def child(self, name: str) -> Storage:
+        raise NotImplementedError
+
+    def write_file(self, name: str, parts: Any) -> int:
+        raise NotImplementedError("restore only reads")
+
+    def delete(self, names: Any) -> None:
+        raise NotImplementedError("restore only reads")
+
+    def remove_folder(self) -> None:
+        raise NotImplementedError("restore only reads")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import AbstractSet
 
 
 @dataclass(frozen=True)

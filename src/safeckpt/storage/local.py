@@ -24,6 +24,7 @@ import errno
 import io
 import os
 import stat
+from types import TracebackType
 from typing import Any, Iterable, Protocol
 
 from ..errors import CorruptCheckpointError
@@ -47,7 +48,8 @@ class _FileReader(Protocol):
 
     def __enter__(self) -> Any: ...
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any: ...
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Any: ...
 
 
 class FileSystem(Protocol):

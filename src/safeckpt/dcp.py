@@ -31,7 +31,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
@@ -214,7 +214,7 @@ class Writer(StorageWriter, BlockingAsyncStager):
                  if isinstance(r.storage_data, _Written)}
         try:
             manifest = self._manifest(metadata, results, files)
-            check_visible(self.storage, [(f.rank, f) for f in files.values()])
+            check_visible(self.storage, [(cast(int, f.rank), f) for f in files.values()])
             write_manifest(self.storage, manifest)
         except BaseException as exc:
             remove_quietly(self.storage, sorted(files))
@@ -239,7 +239,7 @@ class Writer(StorageWriter, BlockingAsyncStager):
                 values.append(WriteResult(item.index, 0, _Value(node, bytesio)))
                 continue
             t = planner.resolve_data(item)
-            want = item.tensor_data
+            want = cast(TensorWriteData, item.tensor_data)  # set on every tensor item
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(want.chunk.sizes) \
                     or t.dtype != want.properties.dtype:
                 got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -251,6 +251,7 @@ class Writer(StorageWriter, BlockingAsyncStager):
 
     def _extra(self, results: list[WriteResult]) -> list[tuple[WriteItem, torch.Tensor]]:
         """Flatten ``extra`` as ``safeckpt.save`` does; its tensors become whole-tensor items."""
+        assert self.extra is not None  # called only when there is extra
         flat = flatten(self.extra)
         if flat.has_local:
             raise UnsupportedFeatureError("safeckpt.dcp.Writer: extra cannot hold RankLocal values")
@@ -353,7 +354,7 @@ def _original(planner: SavePlanner, item: WriteItem) -> Any:
     """The object behind a non-tensor item. DCP would write ``torch.save`` bytes of what
     ``resolve_data`` returns; safeckpt stores the object itself, which is only the same
     thing when the planner's ``resolve_data`` is DCP's own."""
-    kind = type(planner)
+    kind: type[Any] = type(planner)
     if not (isinstance(planner, DefaultSavePlanner) and kind.resolve_data is DefaultSavePlanner.resolve_data
             and kind.transform_object is DefaultSavePlanner.transform_object):
         raise _fqn_error(item.index.fqn, f"{kind.__name__} changes how non-tensor values are resolved "
@@ -481,6 +482,7 @@ class Reader(StorageReader):
             raise CheckpointError("safeckpt.dcp.Reader: read_metadata was not called first")
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        assert self.manifest is not None  # set_up_storage_reader refused a missing one
         return dataclasses.replace(plan, storage_data=self.manifest.save_id)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -492,6 +494,7 @@ class Reader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        assert self.manifest is not None  # set_up_storage_reader refused a missing one
         reads: list[Read] = []
         targets = []
         for req in plan.items:
@@ -505,7 +508,7 @@ class Reader(StorageReader):
                 continue
             entry = self.manifest.tensors[node["$tensor"]]
             target = planner.resolve_tensor(req).detach()
-            offsets = tuple(int(a) + int(b) for a, b in zip(req.storage_index.offset, req.storage_offsets))
+            offsets = tuple(int(a) + int(b) for a, b in zip(cast(torch.Size, req.storage_index.offset), req.storage_offsets))
             if tuple(target.shape) != tuple(req.lengths):
                 raise CheckpointError(f"{fqn}: the planner resolved a tensor of shape {tuple(target.shape)} for "
                                       f"a read of {tuple(req.lengths)}")

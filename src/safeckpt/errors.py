@@ -99,9 +99,11 @@ def warn(message: str, category: type[SafeckptWarning]) -> None:
     background threads of async saves and replication)."""
     import os
     import sys
+    import types
     import warnings
 
     package = os.path.dirname(os.path.abspath(__file__))
+    frame: types.FrameType | None
     frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1

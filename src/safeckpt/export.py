@@ -33,7 +33,7 @@ import secrets
 import tempfile
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, cast
 
 import torch
 
@@ -144,7 +144,7 @@ def read_tensors(storage: Storage, manifest: Manifest, names: Iterable[str], *, 
     def flush() -> Iterator[tuple[str, torch.Tensor]]:
         reader.run(batch)
         for read in batch:
-            yield read.name, read.result
+            yield read.name, cast(torch.Tensor, read.result)  # run() filled it
             read.result = None
 
     for name in names:
@@ -392,10 +392,10 @@ def export_checkpoint(ckpt: "str | os.PathLike[str] | Storage", out: "str | os.P
         for group, file_name in zip(groups, file_names):
             if format == "safetensors":
                 _, parts = _safetensors_parts(group, out_names, manifest, tensors_of(group))
-                n = output.write(file_name, parts)
+                size = output.write(file_name, parts)
             else:
-                n = output.write(file_name, [_torch_bytes(tensors_of(group), out_names)])
-            written.append(ExportedFile(file_name, n, len(group)))
+                size = output.write(file_name, [_torch_bytes(tensors_of(group), out_names)])
+            written.append(ExportedFile(file_name, size, len(group)))
         if index is not None:  # written last: a complete index means complete shards
             weight_map = {out_names[n]: f.name for group, f in zip(groups, written) for n in group}
             body = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -600,7 +600,7 @@ def read_dcp(path: str) -> dict:
     files: dict[str, mmap.mmap] = {}
 
     def item(fqn: str, index: Any) -> Any:
-        info = storage.get(index)
+        info: Any = storage.get(index)
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
             raise CorruptCheckpointError(f"{meta_path}: {fqn!r} is stored in {name!r}, not a file of the folder")
@@ -795,7 +795,7 @@ def import_checkpoint(src: "str | os.PathLike[str]", dest: "str | os.PathLike[st
         state, fmt, source_meta = read_foreign(local, format)
         if under:
             state = {under: state}
-        meta = {"imported_from": src_text, "source_format": fmt}
+        meta: dict[str, Any] = {"imported_from": src_text, "source_format": fmt}
         if source_meta:
             meta["source_metadata"] = source_meta
         meta.update(metadata or {})

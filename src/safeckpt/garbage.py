@@ -84,8 +84,8 @@ def garbage_in(folder: Storage, min_age_s: float | None = None, now: float | Non
         committed = None
     needed = set(committed.files) if committed else set()
     damaged = _well_formed(folder, listing) if committed is None and spare_damaged else {}
-    for m in damaged.values():
-        needed |= set(m.files)
+    for kept in damaged.values():
+        needed |= set(kept.files)
     if shared is None:
         candidates = [n for n in listing if DATA_RE.fullmatch(n) and n not in needed]
         shared = shared_by_siblings(folder) if candidates else set()

@@ -32,6 +32,7 @@ class SingleGroup:
         return [obj]
 
     def scatter(self, objs: list[Any] | None) -> Any:
+        assert objs is not None  # the only rank is the source
         return objs[0]
 
     def broadcast(self, obj: Any) -> Any:

@@ -32,7 +32,7 @@ import os
 import socket
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .checkpoint import load_manifest, read_committed
 from .checksum import checksum
@@ -235,7 +235,7 @@ class NodeSaveRun(SaveRun):
         error = None
         layout, rank = self.tier.layout, self.group.rank
         if rank == layout.leader(layout.node_of[rank]):
-            mine = {n: f.size for n, f in manifest.files.items() if layout.node_of[f.rank] == layout.node_of[rank]}
+            mine = {n: f.size for n, f in manifest.files.items() if layout.node_of[cast(int, f.rank)] == layout.node_of[rank]}
             try:
                 write_record(self.storage, data, node_id(), mine, "own", manifest.save_id)
                 drop_other_saves(self.storage, manifest.save_id)
@@ -246,7 +246,7 @@ class NodeSaveRun(SaveRun):
             raise SaveAbortedError(f"step {manifest.step}: the save was decided but node(s) {sorted(failed)} "
                                    f"could not record it on their disk; their local copy does not count "
                                    f"(the durable root still gets it): {failed}")
-        self.tier.sync.submit(step_folder(manifest.step), data)
+        self.tier.sync.submit(step_folder(cast(int, manifest.step)), data)
         return summary
 
 
@@ -304,6 +304,7 @@ class NodeTier:
 
     @property
     def local(self) -> Storage:
+        assert self.manager.local is not None  # a node tier is made only with a local folder
         return self.manager.local
 
     @property
@@ -348,10 +349,10 @@ class NodeTier:
         left half-way in the exchange (the ranks' collectives stay in step)."""
         if not self.is_leader:
             return None
-        g, count, k = self.background, len(self.layout.nodes), self.node
+        g, count, k = cast(TorchGroup, self.background), len(self.layout.nodes), self.node  # several nodes
         nxt, prev = self.layout.leader((k + 1) % count), self.layout.leader((k - 1) % count)
         here = self.local.child(folder)
-        mine = sorted(n for n, f in m.files.items() if self.layout.node_of[f.rank] == k)
+        mine = sorted(n for n, f in m.files.items() if self.layout.node_of[cast(int, f.rank)] == k)
         problems: list[str] = []
 
         def send() -> None:
@@ -397,6 +398,7 @@ class NodeTier:
         errors = g.gather(error)
         outcome = None
         if g.rank == 0 and go:
+            assert errors is not None  # rank 0 gathers
             failed = {r: e for r, e in enumerate(errors) if e}
             try:
                 if failed:
@@ -415,7 +417,7 @@ class NodeTier:
             old, max_seq = read_existing(dst)
             if old is not None and old.save_id == m.save_id:
                 return False
-            refuse_existing(dst, old, max_seq, self.manager._may_replace(m.step))
+            refuse_existing(dst, old, max_seq, self.manager._may_replace(cast(int, m.step)))
             return True
         except Exception as exc:  # noqa: BLE001
             return describe_error(exc)
@@ -457,7 +459,8 @@ class NodeTier:
                     entry = saves.setdefault((s, sid), (h, [set() for _ in per_node]))
                     entry[1][k] |= set(h.files)
         durable = {s: m for s, m in self.manager._committed(self.manager.storage).items() if step in (None, s)}
-        options, partial = [], []
+        options: list[tuple[Any, ...]] = []
+        partial: list[tuple[int, str]] = []
         for (s, sid), (h, nodes) in saves.items():
             there = set(durable[s].files) if s in durable and durable[s].save_id == sid else set()
             missing = set(h.manifest.files) - set().union(there, *nodes)
@@ -485,7 +488,7 @@ class NodeTier:
         if self.rank == 0:
             leaders = [self.layout.leader(k) for k in range(len(self.layout.nodes))]
             try:
-                choice = self.choose([gathered[r] for r in leaders], step)
+                choice = self.choose([cast(list, gathered)[r] for r in leaders], step)
             except Exception as exc:  # noqa: BLE001 - raised on every rank
                 choice = exc
         choice = self.group.broadcast(choice)
@@ -541,8 +544,8 @@ class NodeTier:
         if self.is_leader:
             for name, src, dst in plan:
                 if src == self.node:
-                    send_file(self.group, here, m, name, self.layout.leader(dst), problems)
-                elif dst == self.node and receive_file(self.group, here, m, name, self.layout.leader(src),
+                    send_file(cast(TorchGroup, self.group), here, m, name, self.layout.leader(dst), problems)
+                elif dst == self.node and receive_file(cast(TorchGroup, self.group), here, m, name, self.layout.leader(src),
                                                        problems):
                     got[name] = m.files[name].size
             try:

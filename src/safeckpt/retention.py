@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 
@@ -32,7 +33,7 @@ class Retention:
     def keeps_all(self) -> bool:
         return self.keep_last is None and self.keep_best is None and self.keep_every is None
 
-    def keep(self, metrics: dict[int, dict], protect: set[int] = frozenset()) -> set[int]:
+    def keep(self, metrics: dict[int, dict], protect: AbstractSet[int] = frozenset()) -> set[int]:
         """The steps to keep among committed ``metrics`` (step -> metrics dict). The
         newest step and ``protect`` are always kept."""
         steps = sorted(metrics)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from .errors import ReplicationWarning, warn
 from .checksum import RunningChecksum, matches
@@ -70,7 +70,7 @@ def _checked_parts(storage: Storage, name: str, size: int, checks: list[Check],
 
 
 def copy_file(src: Storage, src_name: str, dst: Storage, dst_name: str, size: int,
-              checks: list[Check] = (), whole: str | None = None) -> None:
+              checks: Sequence[Check] = (), whole: str | None = None) -> None:
     """Copy one immutable file, checking it on the way; durable at the destination on return."""
     parts = _checked_parts(src, src_name, size, list(checks), whole) if size else [b""]
     written = dst.write_file(dst_name, parts)

@@ -32,7 +32,7 @@ try:  # NumPy 2
 except ImportError:  # pragma: no cover - NumPy 1.x
     from numpy.core.multiarray import _reconstruct, scalar  # type: ignore[no-redef]
 
-NUMPY_GLOBALS = [_reconstruct, scalar, np.ndarray, np.dtype,
+NUMPY_GLOBALS: list[Any] = [_reconstruct, scalar, np.ndarray, np.dtype,
                  *{type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFDGSUMm"}]
 
 
@@ -96,7 +96,7 @@ def load_archive(buffer: mmap.mmap, start: int, length: int, where: str) -> Any:
             if f"{prefix}byteorder" in members and archive.read(f"{prefix}byteorder") != b"little":
                 raise ValueError("a big-endian archive")
             unpickler = torch._weights_only_unpickler.Unpickler(io.BytesIO(archive.read(pkl)), encoding="utf-8")
-        unpickler.persistent_load = lambda saved_id: _storage(buffer, start, window, members, prefix, saved_id)
+        unpickler.persistent_load = lambda saved_id: _storage(buffer, start, window, members, prefix, saved_id)  # type: ignore[method-assign]  # pickle's documented hook
         with numpy_allowed():
             return unpickler.load()
     except pickle.UnpicklingError:

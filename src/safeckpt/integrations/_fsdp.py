@@ -11,12 +11,12 @@ in place of the model or optimizer.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
 
-def is_fsdp(model: Any) -> bool:
+def is_fsdp(model: Any) -> TypeGuard[torch.nn.Module]:
     """Whether ``model`` (or a submodule) is sharded by FSDP1 or FSDP2."""
     if not isinstance(model, torch.nn.Module):
         return False

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import random
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -80,7 +80,8 @@ def checkpoint_manager(accelerator: Any, root: str | os.PathLike[str] | Storage 
     managers = _MANAGERS.setdefault(accelerator, {})
     mgr = managers.get(key)
     if mgr is None or mgr._closed:
-        mgr = managers[key] = CheckpointManager(root, **options)
+        # open_storage (in CheckpointManager) takes a PathLike too; its annotation says str
+        mgr = managers[key] = CheckpointManager(cast("str | Storage", root), **options)
         return mgr
     retention = {k: v for k, v in options.items() if k in _RETENTION}
     if retention:

@@ -56,7 +56,7 @@ import os
 import pickle
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -354,12 +354,13 @@ class SafeCheckpointEngine(CheckpointEngine):
     # -- the commit ----------------------------------------------------------------------
     def _finish(self, error: BaseException | None) -> None:
         s = self._save
+        assert s is not None  # called only while a save is open
         s.done = True
         group = resolve(None)
         failure = error or s.error
         report = (s.files, describe_error(failure) if failure is not None else None)
         reports = group.gather(report)
-        outcome = self._commit(s, reports) if group.rank == 0 else None
+        outcome = self._commit(s, cast(list, reports)) if group.rank == 0 else None  # rank 0 gathers
         outcome = group.broadcast(outcome) if group.size > 1 else outcome
         if outcome is not None:
             message, errors = outcome
@@ -424,6 +425,7 @@ class SafeCheckpointEngine(CheckpointEngine):
                 remove_tree(root.child(name))
         if self.retention.keeps_all:
             return
+        assert self.retention.keep_last is not None  # an engine's only rule
         newest: dict[str, Tag] = {}
         for t in scan(root)[0]:
             newest.setdefault(t.tag, t)
@@ -461,7 +463,7 @@ class SafeCheckpointEngine(CheckpointEngine):
         if tag is not None:
             tags = [t for t in tags if tag in (t.tag, t.folder)]
             skipped = [s for s in skipped if s.startswith(f"{tag}:")]
-        problems = []
+        problems: list[str] = []
         for t in tags:
             report = verify(root.child(t.folder))
             if report.ok:
@@ -533,7 +535,7 @@ def install_on_prepare(accelerator: Any, **options: Any) -> None:
             if isinstance(obj, deepspeed.DeepSpeedEngine):
                 install(obj, **options)
         return result
-    prepare_and_install._safeckpt = True
+    cast(Any, prepare_and_install)._safeckpt = True
     accelerator.prepare = prepare_and_install
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -217,8 +217,13 @@ class SafeCheckpointIO(CheckpointIO):
                             f"not {type(per_call).__name__}")
         return {**self.storage_options, **(per_call or {})}
 
+if TYPE_CHECKING:  # what the mixin is mixed into: the strategy's methods and properties
+    from lightning.pytorch.strategies import ParallelStrategy as _StrategyBase
+else:
+    _StrategyBase = object
 
-class _SafeShardedCheckpoints:
+
+class _SafeShardedCheckpoints(_StrategyBase):
     """Sharded save, load and removal of a Lightning strategy through ``safeckpt.dcp``
     (mixed into a subclass of the strategy; the full-state-dict path is Lightning's)."""
 
@@ -272,6 +277,7 @@ class _SafeShardedCheckpoints:
     def _fitting(self) -> bool:
         from lightning.pytorch.trainer.states import TrainerFn
 
+        assert self.lightning_module is not None  # loading runs on a strategy set up for a module
         return self.lightning_module.trainer.state.fn == TrainerFn.FITTING and bool(self.optimizers)
 
 
@@ -289,7 +295,8 @@ class SafeModelParallelStrategy(_SafeShardedCheckpoints, ModelParallelStrategy):
 
         from ..dcp import Reader
 
-        state = {self._MODEL_KEY: get_model_state_dict(self.model)}
+        assert self.model is not None and self.lightning_module is not None  # set up before loading
+        state: dict[str, Any] = {self._MODEL_KEY: get_model_state_dict(self.model)}
         dcp.load(state, storage_reader=Reader(self._storage(path)))
         self.model.load_state_dict(state[self._MODEL_KEY], strict=self.lightning_module.strict_loading)
         if not self._fitting():
@@ -319,7 +326,9 @@ class SafeFSDPStrategy(_SafeShardedCheckpoints, FSDPStrategy):
 
         from ..dcp import Reader
 
-        with _get_sharded_state_dict_context(self.model):
+        assert self.model is not None and self.lightning_module is not None  # set up before loading
+        # Lightning annotates this context manager as a Generator
+        with _get_sharded_state_dict_context(self.model):  # type: ignore[attr-defined]
             state = {self._MODEL_KEY: self.model.state_dict()}
             dcp.load(state, storage_reader=Reader(self._storage(path)))
             self.model.load_state_dict(state[self._MODEL_KEY], strict=self.lightning_module.strict_loading)

@@ -29,7 +29,7 @@ import os
 import random
 import re
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -332,8 +332,13 @@ def _check_safe_checkpoint(path: str) -> None:
     if problems:
         raise CorruptCheckpointError(f"cannot resume from {path}: " + "; ".join(problems))
 
+if TYPE_CHECKING:  # what the mixin is mixed into: the Trainer's attributes and methods
+    _TrainerBase = Trainer
+else:
+    _TrainerBase = object
 
-class SafeTrainerMixin:
+
+class SafeTrainerMixin(_TrainerBase):
     """Put before ``Trainer`` (or your subclass of it) in the bases:
     ``class MyTrainer(SafeTrainerMixin, MyBaseTrainer)``.
 
@@ -403,10 +408,11 @@ class SafeTrainerMixin:
         self._safeckpt_track_best(run_dir, output_dir)
         for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
             name = cb.__class__.__name__
-            if isinstance(self.state.stateful_callbacks[name], list):
-                self.state.stateful_callbacks[name].append(cb.state())
+            callbacks = cast(dict, self.state.stateful_callbacks)  # annotated a list; TrainerState makes a dict
+            if isinstance(callbacks[name], list):
+                callbacks[name].append(cb.state())
             else:
-                self.state.stateful_callbacks[name] = cb.state()
+                callbacks[name] = cb.state()
         state = self._safeckpt_state()
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
@@ -446,6 +452,7 @@ class SafeTrainerMixin:
     # -- resuming ------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint is True:
+            assert self.args.output_dir is not None  # TrainingArguments fills in a default
             resume_from_checkpoint = last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"no sealed, intact checkpoint in {self.args.output_dir} to resume from")
@@ -462,6 +469,7 @@ class SafeTrainerMixin:
         m = _safe_manifest(checkpoint)
         if m is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
+        assert checkpoint is not None  # a manifest was found there
         targets = {"optimizer": self._safeckpt_optimizer() if self.optimizer is not None else None,
                    "scheduler": self.lr_scheduler,
                    "scaler": getattr(self.accelerator, "scaler", None)}
@@ -473,6 +481,7 @@ class SafeTrainerMixin:
         m = _safe_manifest(checkpoint)
         if m is None:
             return super()._load_rng_state(checkpoint)
+        assert checkpoint is not None  # a manifest was found there
         if "rng" not in m.tree:
             log.info("%s holds no RNG state (save_only_model?); reproducibility is not guaranteed", checkpoint)
             return
@@ -499,6 +508,7 @@ class SafeTrainerMixin:
     def _load_best_model(self) -> None:
         if _safe_manifest(self.state.best_model_checkpoint) is None:
             return super()._load_best_model()
+        assert self.state.best_model_checkpoint is not None  # a manifest was found there
         log.info("loading best model from %s (score: %s)", self.state.best_model_checkpoint, self.state.best_metric)
         load_keys({"model": self._safeckpt_model()}, self.state.best_model_checkpoint)
 

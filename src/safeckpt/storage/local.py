@@ -21,15 +21,67 @@ passes a simulated disk instead to crash and power-cut saves on purpose.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import stat
-from typing import IO, Any, Iterable
+from types import TracebackType
+from typing import Any, Iterable, Protocol
 
 from ..errors import CorruptCheckpointError
 from .base import Buffer, Storage, storage_error
 
 _NO_DIR_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES, errno.EPERM, errno.EISDIR}
 _MAX_WRITE = 1 << 30
+
+
+class _FileStat(Protocol):
+    @property
+    def st_mode(self) -> int: ...
+
+
+class _FileReader(Protocol):
+    """What ``open_reader`` returns: a binary reader used as a context manager."""
+
+    def seek(self, offset: int, whence: int = 0, /) -> int: ...
+
+    def readinto(self, out: memoryview, /) -> int | None: ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Any: ...
+
+
+class FileSystem(Protocol):
+    """The file calls ``LocalStorage`` makes: ``OSFileSystem`` or a stand-in such as
+    ``safeckpt.testing.SimulatedDisk`` (duck-typed, no common base class)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def open(self, path: str, flags: int, mode: int = 0o777) -> int: ...
+
+    def write(self, fd: int, data: Buffer) -> int: ...
+
+    def fsync(self, fd: int) -> None: ...
+
+    def close(self, fd: int) -> None: ...
+
+    def mkdir(self, path: str) -> None: ...
+
+    def rmdir(self, path: str) -> None: ...
+
+    def unlink(self, path: str) -> None: ...
+
+    def isdir(self, path: str) -> bool: ...
+
+    def scandir(self, path: str) -> Any: ...
+
+    def lstat(self, path: str) -> _FileStat: ...
+
+    def open_reader(self, path: str, follow_symlinks: bool = False) -> _FileReader: ...
+
+    def replace(self, src: str, dst: str) -> None: ...
 
 
 class OSFileSystem:
@@ -75,7 +127,7 @@ class OSFileSystem:
     def lstat(self, path: str) -> os.stat_result:
         return os.lstat(path)
 
-    def open_reader(self, path: str, follow_symlinks: bool = False) -> IO[bytes]:
+    def open_reader(self, path: str, follow_symlinks: bool = False) -> io.FileIO:
         """An unbuffered binary reader (``seek``, ``readinto``) of a regular file. Never
         blocks on a FIFO; a symlink is refused (``ELOOP``) unless ``follow_symlinks``."""
         flags = os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -99,7 +151,7 @@ class OSFileSystem:
 OS_FILESYSTEM = OSFileSystem()
 
 
-def fsync_folder(path: str, fs: OSFileSystem | None = None) -> None:
+def fsync_folder(path: str, fs: FileSystem | None = None) -> None:
     """Make a folder's entries durable; skipped where the platform cannot."""
     fs = fs or OS_FILESYSTEM
     if fs.name == "nt":
@@ -119,7 +171,7 @@ def fsync_folder(path: str, fs: OSFileSystem | None = None) -> None:
         fs.close(fd)
 
 
-def _write_all(fs: OSFileSystem, fd: int, data: Buffer) -> None:
+def _write_all(fs: FileSystem, fd: int, data: Buffer) -> None:
     view = memoryview(data).cast("B")
     while view:
         n = fs.write(fd, view[:_MAX_WRITE])
@@ -136,7 +188,7 @@ class LocalStorage(Storage):
     atomic_write = False  # a reader may see a file before it is complete
     can_rename = True
 
-    def __init__(self, path: str | os.PathLike, fs: OSFileSystem | None = None, *,
+    def __init__(self, path: str | os.PathLike, fs: FileSystem | None = None, *,
                  follow_symlinks: bool = False, anchor: str | None = None) -> None:
         self.fs = fs if fs is not None else OS_FILESYSTEM
         self.path = os.path.abspath(os.fspath(path))

@@ -123,5 +123,5 @@ def crash_points(fn: Callable[[Storage], Any], profile: "str | DiskProfile" = "p
             rng = random.Random(f"{seed}:{profile}:{k}:{outcome}")
             mode = outcome if outcome in ("kill", "drop") else "random"
             backend.crash(rng, "keep" if mode == "kill" else mode)
-            yield CrashPoint(getattr(profile, "name", profile), k, total, outcome, crashed, op, backend.storage(root), backend,
+            yield CrashPoint(profile.name if isinstance(profile, DiskProfile) else profile, k, total, outcome, crashed, op, backend.storage(root), backend,
                              result, error)

@@ -17,7 +17,7 @@ import os
 import posixpath
 import random
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, cast
 
 from ..storage.base import Buffer
 from .faults import CountedBackend, Fault, OpCounter, make_error
@@ -101,7 +101,7 @@ class _Entry:
     def __init__(self, name: str, path: str, node: "_File | _Dir") -> None:
         self.name, self.path = name, path
         self._is_dir = isinstance(node, _Dir)
-        self._stat = _Stat(0 if self._is_dir else len(node.data), self._is_dir)
+        self._stat = _Stat(0 if isinstance(node, _Dir) else len(node.data), self._is_dir)
 
     def is_dir(self, *, follow_symlinks: bool = True) -> bool:  # a simulated disk has no links
         return self._is_dir
@@ -271,7 +271,7 @@ class SimulatedDisk(CountedBackend):
             if part not in node.entries:
                 child = _Dir()
                 node.entries[part] = node.durable[part] = child
-            node = node.entries[part]
+            node = cast(_Dir, node.entries[part])  # makedirs is only called on folder paths
 
     def files(self, path: str = "/") -> dict[str, bytes]:
         """Every file under ``path`` (what a reader sees now): relative path -> bytes."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from typing import Iterator
 
-from ..storage.base import Storage
+from ..storage.base import Buffer, Storage
 
 __all__ = ["StorageTests"]
 
@@ -51,7 +51,7 @@ class StorageTests:
     # -- write, read -----------------------------------------------------------------
     def test_write_then_read_back(self) -> None:
         st = self.make_storage()
-        parts = [b"head", bytearray(b"-mid-"), memoryview(b"tail!")]
+        parts: list[Buffer] = [b"head", bytearray(b"-mid-"), memoryview(b"tail!")]
         assert st.write_file("a.bin", parts) == 14
         assert st.read("a.bin") == b"head-mid-tail!"
         assert st.read("a.bin", 4, 5) == b"-mid-"

@@ -71,19 +71,21 @@ def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState
             raise UnsafeObjectError(f"two tensors in the state are both named {name!r}; rename one of the keys")
         if not is_storable(t):
             to_storable(t, name)  # raises the clear error
-        skey = (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, kind, tuple(offsets))
-        if t.numel() and skey in seen:
+        shape = tuple(t.shape)
+        skey = (t.device, t.data_ptr(), shape, t.stride(), t.dtype, kind, tuple(offsets))
+        nbytes = t.nbytes
+        if nbytes and skey in seen:
             aliases[name] = seen[skey]
         else:
-            info = PieceInfo(name, kind, dtype_name(t.dtype), tuple(global_shape), tuple(offsets),
-                             tuple(t.shape), t.nbytes)
+            info = PieceInfo(name, kind, dtype_name(t.dtype), tuple(global_shape), tuple(offsets), shape, nbytes)
             pieces[name] = Piece(t, info)
-            if t.numel():
+            if nbytes:
                 seen[skey] = name
         return {"$tensor": name}
 
     def on_tensor(key: str, t: torch.Tensor) -> dict:
-        return add(key, t, "replicated", list(t.shape), [0] * t.dim())
+        shape = t.shape
+        return add(key, t, "replicated", shape, (0,) * len(shape))
 
     def on_local_tensor(key: str, t: torch.Tensor) -> dict:
         return add(local_name(key, rank), t, "local", list(t.shape), [0] * t.dim())

@@ -25,6 +25,7 @@ from .tensors import dtype_from_name, dtype_name, is_storable, to_storable
 
 
 _PLAIN = {torch.Tensor, dict, list, tuple, int, float, str, bool, type(None)}
+_PLAIN_TENSORS = {torch.Tensor, torch.nn.Parameter}  # tensors that are not DTensors or shards
 
 
 def is_stateful(obj: Any) -> bool:
@@ -175,6 +176,10 @@ class LoadPlanner:
         self._loaded: list[tuple[Any, Any]] = []  # (object, its state before) for undo()
 
     def plan(self, target: Any, node: Any, key: str = "", mode: str = "state") -> Thunk:
+        if type(target) in _PLAIN_TENSORS and codec.tag_of(node) != "$local":  # the common case, decided fast
+            shape = target.shape
+            boxed = (target, list(shape), ((0,) * len(shape), tuple(shape)))
+            return self._plan_tensor_into(target, boxed, node, key, mode)
         tag = codec.tag_of(node)
         if tag == "$local" or isinstance(target, RankLocal):
             return self._plan_local(target, node, key, mode)

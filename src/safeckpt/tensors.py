@@ -44,11 +44,14 @@ _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch
                  torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128}
 
 
+_LOADABLE = {n: d for n, d in _DTYPES.items() if d not in QUANTIZED_DTYPES}
+
+
 def dtype_from_name(name: str, where: str) -> torch.dtype:
     """Inverse of ``dtype_name``; unknown names (and quantized dtypes, which are never
     stored) mean a corrupt or newer checkpoint."""
-    dtype = _DTYPES.get(name) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype) or dtype in QUANTIZED_DTYPES:
+    dtype = _LOADABLE.get(name) if type(name) is str else None
+    if dtype is None:
         raise CorruptCheckpointError(
             f"{where}: unknown dtype {name!r} (a newer torch or safeckpt wrote it, or it is corrupt)")
     return dtype

@@ -74,3 +74,16 @@ def test_small_tensors_each_keep_their_own_checksum(tmp_path) -> None:
     data.write_bytes(bytes(raw))
     report = safeckpt.verify(str(tmp_path / "c"))
     assert not report.ok and len(report.problems) == 1 and "'t00010'" in report.problems[0]
+
+
+def test_lazy_conj_and_neg_views_save_their_values(tmp_path) -> None:
+    """A conjugate or negative view shares its base's bytes: its values must be resolved
+    before they are stored (sync and async), or it loads as its base."""
+    x = torch.tensor([1 + 2j, 3 - 4j])
+    state = {"conj": x.conj(), "neg": x.conj().imag, "plain": x}
+    safeckpt.save(state, str(tmp_path / "sync"))
+    safeckpt.async_save(state, str(tmp_path / "async")).result()
+    for folder in ("sync", "async"):
+        loaded = safeckpt.load_state(str(tmp_path / folder))
+        for k, v in state.items():
+            assert torch.equal(loaded[k], v.resolve_conj().resolve_neg()), (folder, k)

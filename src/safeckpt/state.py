@@ -73,7 +73,7 @@ def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState
         if not is_storable(t):
             to_storable(t, name)  # raises the clear error
         shape = tuple(t.shape)
-        skey = (t.device, t.data_ptr(), shape, t.stride(), t.dtype, kind, tuple(offsets))
+        skey = (t.device, t.data_ptr(), shape, t.stride(), t.dtype, t.is_conj(), t.is_neg(), kind, tuple(offsets))
         nbytes = t.nbytes
         if nbytes and skey in seen:
             aliases[name] = seen[skey]

@@ -91,13 +91,13 @@ def to_storable(t: torch.Tensor, key: str) -> torch.Tensor:
     """A dense, contiguous CPU tensor with the same values, or a clear error (the common
     case is decided with the cheapest attribute checks: it runs once per tensor)."""
     if t.is_cpu and t.layout == torch.strided and not t.is_nested and t.dtype not in QUANTIZED_DTYPES \
-            and t.is_contiguous():
+            and t.is_contiguous() and not t.is_conj() and not t.is_neg():
         return t.detach() if t.requires_grad else t
     if not is_storable(t):
         raise UnsafeObjectError(
             f"cannot store tensor {key!r} ({t.layout}, {t.dtype}, on {t.device}): only dense "
             "tensors with data are supported (not quantized, sparse, nested or meta); convert it first")
-    t = t.detach()
+    t = t.detach().resolve_conj().resolve_neg()  # a lazy conj/neg view's bytes are not its values
     if t.device.type != "cpu":
         t = t.to("cpu")
     return t.contiguous()

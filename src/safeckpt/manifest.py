@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,7 @@ from .checksum import ALGORITHM, BLOCK_SIZE, checksum, is_checksum
 from .errors import CorruptCheckpointError, UnsupportedFormatError
 from .names import MANIFEST_RE, STEP_RE, is_shared, manifest_name, manifest_seq, root_path, shared_location  # noqa: F401
 from .plan import PlanError, check_coverage
-from .tensors import dtype_from_name, is_shape, nbytes_of
+from .tensors import dtype_from_name, is_shape
 
 FORMAT_VERSION = 2  # 2: incremental manifests (files of sibling checkpoints, xxh3_128 chunks)
 _PREFIX = b'{"safeckpt":'
@@ -169,10 +170,6 @@ def _is_int(value: Any, minimum: int = 0) -> bool:
     return type(value) is int and value >= minimum
 
 
-def _int_list(value: Any) -> bool:
-    return isinstance(value, list) and all(_is_int(v) for v in value)
-
-
 def _known(cls: type, entry: Any, where: str) -> dict:
     """The fields of ``cls`` in a JSON object; unknown (newer, additive) fields are ignored."""
     _need(isinstance(entry, dict), where, f"{cls.__name__} entry is not an object")
@@ -228,21 +225,34 @@ def _decode_files(entries: Any, where: str, version: int) -> dict[str, FileEntry
     return files
 
 
-def _decode_chunk(raw: Any, name: str, t: dict, dtype: Any, files: dict[str, FileEntry],
+def _nat_list(value: Any) -> bool:
+    """A list of ints >= 0 (not bools): checked with set and min, which cost far less than
+    a generator per item; this runs twice per chunk."""
+    return isinstance(value, list) and (not value or ({type(v) for v in value} == _INT_TYPE and min(value) >= 0))
+
+
+_INT_TYPE = {int}
+
+
+def _decode_chunk(raw: Any, name: str, shape: list[int], itemsize: int, files: dict[str, FileEntry],
                   block: int, where: str) -> Chunk:
-    # built field by field (unknown, newer fields are ignored): this runs once per tensor
+    # built field by field (unknown, newer fields are ignored): this runs once per chunk
     c = Chunk(raw["file"], raw["start"], raw["end"], raw["checksums"], raw["offsets"], raw["shape"])
     f = files.get(c.file)
-    _need(f is not None, where, f"tensor {name!r} names unlisted file {c.file!r}")
-    ndim = len(t["shape"])
-    _need(_int_list(c.offsets) and _int_list(c.shape) and len(c.shape) == ndim == len(c.offsets)
-          and all(o + s <= g for o, s, g in zip(c.offsets, c.shape, t["shape"])),
-          where, f"tensor {name!r}: chunk box outside the tensor")
-    _need(_is_int(c.start) and _is_int(c.end) and c.start <= c.end <= f.size
-          and c.end - c.start == nbytes_of(c.shape, dtype), where,
-          f"tensor {name!r}: byte range [{c.start}, {c.end}) does not fit {c.file} or its shape")
-    _need(isinstance(c.checksums, list) and len(c.checksums) == max(1, -(-(c.end - c.start) // block))
-          and all(map(is_checksum, c.checksums)), where, f"tensor {name!r}: bad checksums")
+    if f is None:  # the messages are built only on failure
+        raise CorruptCheckpointError(f"{where}: tensor {name!r} names unlisted file {c.file!r}")
+    offsets, cshape = c.offsets, c.shape
+    if not (_nat_list(offsets) and _nat_list(cshape) and len(cshape) == len(shape) == len(offsets)
+            and (cshape == shape and not any(offsets)  # the common case: one chunk, the whole tensor
+                 or all(o + s <= g for o, s, g in zip(offsets, cshape, shape)))):
+        raise CorruptCheckpointError(f"{where}: tensor {name!r}: chunk box outside the tensor")
+    start, end, sums = c.start, c.end, c.checksums
+    if not (type(start) is int and type(end) is int and 0 <= start <= end <= f.size
+            and end - start == math.prod(cshape) * itemsize):
+        raise CorruptCheckpointError(
+            f"{where}: tensor {name!r}: byte range [{start}, {end}) does not fit {c.file} or its shape")
+    if not (type(sums) is list and len(sums) == max(1, -(-(end - start) // block)) and all(map(is_checksum, sums))):
+        raise CorruptCheckpointError(f"{where}: tensor {name!r}: bad checksums")
     return c
 
 
@@ -251,21 +261,28 @@ def _decode_body(body: dict, where: str) -> Manifest:
     block = body.get("block_size", BLOCK_SIZE)
     _need(_is_int(block, 1), where, f"bad block_size {block!r}")
     tensors: dict[str, TensorEntry] = {}
-    for name, t in body["tensors"].items():
-        dtype = dtype_from_name(t["dtype"], f"{where}: tensor {name!r}")
-        _need(is_shape(t["shape"], dtype.itemsize), where, f"tensor {name!r}: bad shape {str(t['shape'])[:100]}")
-        chunks = [_decode_chunk(c, name, t, dtype, files, block, where) for c in t["chunks"]]
+    itemsizes: dict[str, int] = {}  # per dtype name; messages below are built only on failure
+    saved = body["tensors"]
+    for name, t in saved.items():
+        dtype, shape = t["dtype"], t["shape"]
+        itemsize = itemsizes.get(dtype) if type(dtype) is str else None
+        if itemsize is None:
+            itemsize = itemsizes[dtype] = dtype_from_name(dtype, f"{where}: tensor {name!r}").itemsize
+        if not is_shape(shape, itemsize):
+            raise CorruptCheckpointError(f"{where}: tensor {name!r}: bad shape {str(shape)[:100]}")
+        chunks = [_decode_chunk(c, name, shape, itemsize, files, block, where) for c in t["chunks"]]
         if len(chunks) == 1:
-            _need(chunks[0].shape == t["shape"], where, f"tensor {name!r}: its chunk does not cover it")
+            if chunks[0].shape != shape:
+                raise CorruptCheckpointError(f"{where}: tensor {name!r}: its chunk does not cover it")
         else:
             try:
-                check_coverage(name, tuple(t["shape"]), [(tuple(c.offsets), tuple(c.shape)) for c in chunks])
+                check_coverage(name, tuple(shape), [(tuple(c.offsets), tuple(c.shape)) for c in chunks])
             except PlanError as exc:
                 raise CorruptCheckpointError(f"{where}: {exc}") from exc
         tied = t.get("tied_to")
-        _need(tied is None or (isinstance(tied, str) and tied in body["tensors"] and tied != name), where,
-              f"tensor {name!r}: tied to unknown tensor {tied!r}")
-        tensors[name] = TensorEntry(t["dtype"], t["shape"], chunks, tied)
+        if not (tied is None or (isinstance(tied, str) and tied in saved and tied != name)):
+            raise CorruptCheckpointError(f"{where}: tensor {name!r}: tied to unknown tensor {tied!r}")
+        tensors[name] = TensorEntry(dtype, shape, chunks, tied)
     step, world, run_id = body.get("step"), body["world_size"], body.get("run_id")
     _need(run_id is None or isinstance(run_id, str), where, f"bad run_id {run_id!r}")
     _need(step is None or _is_int(step), where, f"bad step {step!r}")

@@ -37,10 +37,7 @@ class _Job:
     chunk: Chunk
     runs: list[tuple[int, int]]
     out: memoryview
-
-    @property
-    def whole(self) -> bool:
-        return self.runs == [(0, self.chunk.end - self.chunk.start)]
+    whole: bool  # the runs are the whole chunk (decided once: it is asked per neighbour)
 
 
 def _relative(inner: Box, outer_offsets: tuple[int, ...]) -> Box:
@@ -90,10 +87,10 @@ class TensorReader:
 
     def _plan_read(self, name: str, chunks: list[Chunk], dest: torch.Tensor, box: Box,
                    dtype: torch.dtype, jobs: list[_Job], copies: list) -> None:
-        if (len(chunks) == 1 and dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
+        if (len(chunks) == 1 and dest.is_cpu and dest.dtype == dtype and dest.is_contiguous()
                 and tuple(chunks[0].shape) == box[1] == tuple(dest.shape) and not any(box[0])):
             chunk = chunks[0]  # the common case: one whole chunk straight into its tensor
-            jobs.append(_Job(name, chunk, [(0, chunk.end - chunk.start)], byte_view(dest)))
+            jobs.append(_Job(name, chunk, [(0, chunk.end - chunk.start)], byte_view(dest), True))
             return
         covered = 0
         for chunk in chunks:
@@ -102,11 +99,11 @@ class TensorReader:
             if ov is None:
                 continue
             covered += volume(ov[1])
-            direct = (ov == cbox == box and dest.device.type == "cpu" and dest.dtype == dtype
+            direct = (ov == cbox == box and dest.is_cpu and dest.dtype == dtype
                       and dest.is_contiguous())
             tmp = dest if direct else torch.empty(ov[1], dtype=dtype)
             runs = byte_runs(cbox[1], _relative(ov, cbox[0]), dtype.itemsize)
-            jobs.append(_Job(name, chunk, runs, byte_view(tmp)))
+            jobs.append(_Job(name, chunk, runs, byte_view(tmp), runs == [(0, chunk.end - chunk.start)]))
             if not direct:
                 copies.append((dest[_slices(_relative(ov, box[0]))], tmp))
         if covered != volume(box[1]):

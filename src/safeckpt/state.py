@@ -25,6 +25,7 @@ from .tensors import dtype_from_name, dtype_name, is_storable, to_storable
 
 
 _PLAIN = {torch.Tensor, dict, list, tuple, int, float, str, bool, type(None)}
+_PLAIN_TENSORS = {torch.Tensor, torch.nn.Parameter}  # tensors that are not DTensors or shards
 
 
 def is_stateful(obj: Any) -> bool:
@@ -71,19 +72,21 @@ def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState
             raise UnsafeObjectError(f"two tensors in the state are both named {name!r}; rename one of the keys")
         if not is_storable(t):
             to_storable(t, name)  # raises the clear error
-        skey = (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, kind, tuple(offsets))
-        if t.numel() and skey in seen:
+        shape = tuple(t.shape)
+        skey = (t.device, t.data_ptr(), shape, t.stride(), t.dtype, t.is_conj(), t.is_neg(), kind, tuple(offsets))
+        nbytes = t.nbytes
+        if nbytes and skey in seen:
             aliases[name] = seen[skey]
         else:
-            info = PieceInfo(name, kind, dtype_name(t.dtype), tuple(global_shape), tuple(offsets),
-                             tuple(t.shape), t.nbytes)
+            info = PieceInfo(name, kind, dtype_name(t.dtype), tuple(global_shape), tuple(offsets), shape, nbytes)
             pieces[name] = Piece(t, info)
-            if t.numel():
+            if nbytes:
                 seen[skey] = name
         return {"$tensor": name}
 
     def on_tensor(key: str, t: torch.Tensor) -> dict:
-        return add(key, t, "replicated", list(t.shape), [0] * t.dim())
+        shape = t.shape
+        return add(key, t, "replicated", shape, (0,) * len(shape))
 
     def on_local_tensor(key: str, t: torch.Tensor) -> dict:
         return add(local_name(key, rank), t, "local", list(t.shape), [0] * t.dim())
@@ -173,6 +176,10 @@ class LoadPlanner:
         self._loaded: list[tuple[Any, Any]] = []  # (object, its state before) for undo()
 
     def plan(self, target: Any, node: Any, key: str = "", mode: str = "state") -> Thunk:
+        if type(target) in _PLAIN_TENSORS and codec.tag_of(node) != "$local":  # the common case, decided fast
+            shape = target.shape
+            boxed = (target, list(shape), ((0,) * len(shape), tuple(shape)))
+            return self._plan_tensor_into(target, boxed, node, key, mode)
         tag = codec.tag_of(node)
         if tag == "$local" or isinstance(target, RankLocal):
             return self._plan_local(target, node, key, mode)

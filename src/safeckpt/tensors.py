@@ -27,21 +27,31 @@ QUANTIZED_DTYPES = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, tor
 MAX_DIMS = 64  # NumPy's limit, through which tensor bytes are viewed
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"``: the manifest's dtype name."""
+def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-_DTYPES = {dtype_name(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_DTYPES = {_dtype_name(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_NAMES = {d: n for n, d in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``: the manifest's dtype name (looked up: it is
+    asked once per tensor)."""
+    name = _NAMES.get(dtype)
+    return name if name is not None else _dtype_name(dtype)
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
                  torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128}
+
+
+_LOADABLE = {n: d for n, d in _DTYPES.items() if d not in QUANTIZED_DTYPES}
 
 
 def dtype_from_name(name: str, where: str) -> torch.dtype:
     """Inverse of ``dtype_name``; unknown names (and quantized dtypes, which are never
     stored) mean a corrupt or newer checkpoint."""
-    dtype = _DTYPES.get(name) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype) or dtype in QUANTIZED_DTYPES:
+    dtype = _LOADABLE.get(name) if type(name) is str else None
+    if dtype is None:
         raise CorruptCheckpointError(
             f"{where}: unknown dtype {name!r} (a newer torch or safeckpt wrote it, or it is corrupt)")
     return dtype
@@ -74,19 +84,20 @@ def is_storable(t: torch.Tensor) -> bool:
     """Dense tensors with data; quantized (even a plain view as a quantized dtype), sparse,
     nested and meta tensors are not."""
     return not (t.is_quantized or t.dtype in QUANTIZED_DTYPES or t.layout != torch.strided
-                or t.is_nested or t.device.type == "meta")
+                or t.is_nested or t.is_meta)
 
 
 def to_storable(t: torch.Tensor, key: str) -> torch.Tensor:
-    """A dense, contiguous CPU tensor with the same values, or a clear error."""
-    if t.device.type == "cpu" and t.dtype not in QUANTIZED_DTYPES and t.is_contiguous() \
-            and t.layout == torch.strided and not t.is_nested:
-        return t.detach()
+    """A dense, contiguous CPU tensor with the same values, or a clear error (the common
+    case is decided with the cheapest attribute checks: it runs once per tensor)."""
+    if t.is_cpu and t.layout == torch.strided and not t.is_nested and t.dtype not in QUANTIZED_DTYPES \
+            and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        return t.detach() if t.requires_grad else t
     if not is_storable(t):
         raise UnsafeObjectError(
             f"cannot store tensor {key!r} ({t.layout}, {t.dtype}, on {t.device}): only dense "
             "tensors with data are supported (not quantized, sparse, nested or meta); convert it first")
-    t = t.detach()
+    t = t.detach().resolve_conj().resolve_neg()  # a lazy conj/neg view's bytes are not its values
     if t.device.type != "cpu":
         t = t.to("cpu")
     return t.contiguous()
@@ -97,7 +108,8 @@ def byte_view(t: torch.Tensor) -> memoryview:
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(bytearray())
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     try:
         if t.dtype in _NUMPY_DTYPES:
             return memoryview(t.numpy()).cast("B")

@@ -1,0 +1,89 @@
+"""Many small tensors: batched into shared regions on save, read in few reads on load.
+
+The batched paths must give exactly the bytes of the one-at-a-time paths: mixed dtypes,
+strided views, tensors that require grad, empty and 0-dim tensors, small runs longer than
+one region and broken by large tensors, and data files that stay standard safetensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+import safeckpt
+from safeckpt import datafile
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.uint8,
+          torch.complex64, torch.float8_e4m3fn, torch.int8]
+
+
+def many_small(n: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 64, generator=g)
+    state: dict = {}
+    for i in range(n):
+        dtype = DTYPES[i % len(DTYPES)]
+        t = (torch.randn(3 + i % 17, generator=g) * 10).to(dtype)
+        state[f"t{i:05d}"] = t
+    state["view"] = base[::3, 1::2]          # strided view
+    state["grad"] = torch.randn(7, requires_grad=True)
+    state["empty"] = torch.zeros(0, 4)
+    state["scalar"] = torch.tensor(3.5)
+    state["tied"] = state["t00001"]
+    state["large"] = torch.randn((datafile.COALESCE_BELOW // 4) + 5, generator=g)  # breaks the small run
+    state["after"] = torch.arange(11, dtype=torch.int32)
+    return state
+
+
+def assert_equal(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(got[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else got[k],
+                           v.detach().view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v.detach()), k
+
+
+def test_small_runs_round_trip_over_several_regions(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(datafile, "COALESCE_BUFFER", 4096)  # many regions from a small state
+    state = many_small(600)
+    safeckpt.save(state, str(tmp_path / "c"))
+    loaded = safeckpt.load_state(str(tmp_path / "c"))
+    assert_equal(loaded, state)
+    assert loaded["tied"] is loaded["t00001"]
+    template = {k: torch.zeros_like(v.detach()) for k, v in state.items()}
+    template["tied"] = template["t00001"]
+    safeckpt.load(template, str(tmp_path / "c"))
+    assert_equal(template, state)
+    assert safeckpt.verify(str(tmp_path / "c")).ok
+    (data,) = (tmp_path / "c").glob("data-*.safetensors")
+    plain = load_file(str(data))  # still a standard safetensors file
+    assert torch.equal(plain["after"], state["after"]) and torch.equal(plain["view"], state["view"])
+
+
+def test_small_tensors_each_keep_their_own_checksum(tmp_path) -> None:
+    """Corrupting one small tensor's bytes is reported for that tensor, not its neighbours."""
+    state = many_small(50)
+    safeckpt.save(state, str(tmp_path / "c"))
+    manifest = next((tmp_path / "c").glob("manifest-*.json")).read_text()
+    import json
+    body = json.loads(manifest[len('{"safeckpt":'):manifest.rindex(',"checksum"')])
+    chunk = body["tensors"]["t00010"]["chunks"][0]
+    (data,) = (tmp_path / "c").glob("data-*.safetensors")
+    raw = bytearray(data.read_bytes())
+    raw[chunk["start"]] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    report = safeckpt.verify(str(tmp_path / "c"))
+    assert not report.ok and len(report.problems) == 1 and "'t00010'" in report.problems[0]
+
+
+def test_lazy_conj_and_neg_views_save_their_values(tmp_path) -> None:
+    """A conjugate or negative view shares its base's bytes: its values must be resolved
+    before they are stored (sync and async), or it loads as its base."""
+    x = torch.tensor([1 + 2j, 3 - 4j])
+    state = {"conj": x.conj(), "neg": x.conj().imag, "plain": x}
+    safeckpt.save(state, str(tmp_path / "sync"))
+    safeckpt.async_save(state, str(tmp_path / "async")).result()
+    for folder in ("sync", "async"):
+        loaded = safeckpt.load_state(str(tmp_path / folder))
+        for k, v in state.items():
+            assert torch.equal(loaded[k], v.resolve_conj().resolve_neg()), (folder, k)

@@ -15,7 +15,7 @@ import collections
 import math
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, Container
+from typing import Any, Callable, Container, cast
 
 import numpy as np
 import torch
@@ -232,7 +232,7 @@ def check_tree(node: JSON, where: str, tensors: "Container[str]", *, plain: bool
             continue
         if depth >= MAX_DEPTH:
             raise bad(key, f"is nested more than {MAX_DEPTH} containers deep")
-        arg = node[tag] if tag not in ("object", "list") else node
+        arg: Any = cast(Any, node)[tag] if tag not in ("object", "list") else node
         if tag == "$tensor":
             if not isinstance(arg, str) or arg not in tensors:
                 raise bad(key, f"names tensor {arg!r}, which the checkpoint does not hold")
@@ -257,7 +257,7 @@ def check_tree(node: JSON, where: str, tensors: "Container[str]", *, plain: bool
                 _check_key(pair[0], key, not plain, bad)
             stack.extend((v, key, k, depth + 1, local) for k, v in arg)
         elif tag == "object":
-            stack.extend((v, key, k, depth + 1, local) for k, v in arg.items())
+            stack.extend((v, key, k, depth + 1, local) for k, v in cast(dict, arg).items())
         else:
             if tag == "$size" and not all(type(v) is int and 0 <= v < _INT64 for v in arg):
                 raise bad(key, "is a malformed $size (not a list of dimensions)")

@@ -13,7 +13,7 @@ import json
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Generator, Iterator
 
 import torch
 
@@ -73,7 +73,7 @@ def plan_layout(pieces: list[tuple[str, torch.Tensor]], metadata: dict[str, str]
 
 
 def stream(layout: DataFileLayout, written: list[WrittenPiece],
-           known: list[list[str]] | None = None) -> Iterator[memoryview | bytes]:
+           known: list[list[str]] | None = None) -> Generator[memoryview | bytes, None, None]:
     """Yield the file's bytes in large pieces and fill ``written`` with every piece's
     checksums (or ``known``, checksums computed before). Small pieces are coalesced to
     save system calls; large ones are hashed on a helper thread while they are written
@@ -140,6 +140,6 @@ def _small_run(run: list[tuple[str, torch.Tensor, int, int]], first: int, size: 
     return view
 
 
-def read_header_length(prefix: bytes) -> int:
+def read_header_length(prefix: "bytes | memoryview") -> int:
     """The header length stored in a data file's first 8 bytes."""
     return struct.unpack("<Q", prefix[:8])[0]

@@ -9,8 +9,10 @@ verification on, every block a read touches is read whole and checked.
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -76,6 +78,7 @@ class TensorReader:
                     continue
                 read.result = fresh[key] = torch.empty(entry.shape, dtype=dtype)
             dest = read.dest if read.dest is not None else read.result
+            assert dest is not None  # a fresh tensor was made just above
             box = read.box or ((0,) * dest.dim(), tuple(dest.shape))
             self._plan_read(read.name, entry.chunks, dest, box, dtype, jobs, copies)
         if self.verify:
@@ -224,13 +227,13 @@ class TensorReader:
             return [f"{where}: the safetensors header claims {claimed} bytes; the file has {f.size} "
                     f"and the manifest recorded {f.header_size - 8}"]
         problems = []
-        checks = [lambda: self.check_headers({name})]
+        checks: list[Callable[[], Any]] = [lambda: self.check_headers({name})]
         seen = set()
         for tname, entry in self.manifest.tensors.items():
             for c in entry.chunks:
                 if c.file == name and (c.start, c.end) not in seen:
                     seen.add((c.start, c.end))
-                    checks.append(lambda t=tname, c=c: self._verify_chunk(t, c))
+                    checks.append(functools.partial(self._verify_chunk, tname, c))
         for check in checks:
             try:
                 check()

@@ -112,8 +112,8 @@ def byte_view(t: torch.Tensor) -> memoryview:
         t = t.detach()
     try:
         if t.dtype in _NUMPY_DTYPES:
-            return memoryview(t.numpy()).cast("B")
-        return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     except (RuntimeError, TypeError):
         # dtypes numpy cannot view (e.g. some float8 / bits types): go through the address
         return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")

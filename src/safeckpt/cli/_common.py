@@ -198,6 +198,21 @@ def when(seconds: float | None) -> str:
     return _dt.datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def iso_time(seconds: float) -> str:
+    """A manifest's creation time in ``--json``: ISO 8601, UTC."""
+    return _dt.datetime.fromtimestamp(seconds, _dt.timezone.utc).isoformat()
+
+
+def count_states(states: Any) -> str:
+    """``3 committed, 1 torn``: how many folders are in each state, in the states' order
+    (committed always shown)."""
+    from ..folderstate import COMMITTED, STATES
+
+    found = list(states)
+    return ", ".join(f"{found.count(s)} {s.replace('_', ' ')}" for s in STATES
+                     if s == COMMITTED or s in found)
+
+
 def compact(value: Any, limit: int = 80) -> str:
     """A one-line, bounded repr."""
     if isinstance(value, float):

@@ -542,3 +542,51 @@ def test_wrong_credentials_are_one_clear_line(seaweedfs_server):  # noqa: F811
             "-o", f"key={seaweedfs_server.key}", "-o", "secret=wrong-secret",
             "-o", 'config_kwargs={"retries": {"max_attempts": 1}}')
     one_error_line(p, "credentials")
+
+
+# --------------------------------------------------------------------------- one vocabulary, first contact
+
+
+def test_every_command_names_a_folder_state_the_same_way(tmp_path):
+    """A newer format is a newer format in ls and verify (never counted corrupt, never 0
+    bytes); bare ``safeckpt`` prints its help as --help does; ``show --select`` of a
+    missing prefix is an error naming what exists; ``diff`` says whether it read the
+    data, and ``--verify`` finds a copy whose bytes differ under equal checksums."""
+    from test_corruption import future_version
+
+    root = tmp_path / "run"
+    for step in (1, 2):
+        safeckpt.save({"w": torch.arange(64.0), "step": step}, root / f"step-{step:09d}", step=step)
+    future_version(root / "step-000000002")
+    (root / "step-000000003").mkdir()
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "step-000000001", copy)
+    data = next(copy.glob("data-*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-8:-4] = b"\x01\x02\x03\x04"  # 4 bytes of w's data
+    data.write_bytes(bytes(raw))
+
+    ls, ls_json, verify, verify_json, bare, help_, select, diff, diff_verify = run_all(
+        cmd("ls", root), cmd("ls", root, "--json"), cmd("verify", root), cmd("verify", root, "--json"),
+        cmd(), cmd("--help"), cmd("show", root / "step-000000001", "--select", "nosuch"),
+        cmd("diff", root / "step-000000001", copy), cmd("diff", root / "step-000000001", copy, "--verify"))
+
+    states = [(r["step"], r["status"]) for r in json.loads(ok(ls_json).stdout)]
+    assert states == [(1, "committed"), (2, "newer_format"), (3, "empty")]
+    verdicts = json.loads(ok(verify_json, 1).stdout)
+    assert [v["status"] for v in verdicts] == ["committed", "newer_format", "empty"]
+    assert verdicts[1]["bytes"] > 0 and "upgrade" in verdicts[1]["problems"][0]
+    assert "newer format (upgrade safeckpt)" in ok(ls).stdout and "1 newer format, 1 empty" in ls.stdout
+    out = ok(verify, 1).stdout
+    assert "CORRUPT" not in out and "corrupt" not in out, out
+    assert any(line.startswith("newer format ") and "step-000000002" in line for line in out.splitlines()), out
+    assert out.rstrip().endswith("1 committed, 1 newer format, 1 empty") and " 0 B " not in out
+
+    assert ok(bare).stdout == ok(help_).stdout and bare.stdout.count("\n") > 10
+    one_error_line(select, "nosuch", "names: w, step")
+
+    plain = ok(diff).stdout
+    assert "identical" in plain.splitlines()[-1] and "by their checksums (not read)" in plain
+    found = ok(diff_verify, 1).stdout
+    assert found.splitlines()[-1].startswith("different: 1 problem(s)") and data.name in found
+    assert "every byte of both read" in found

@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"safeckpt: error: {_one_line(exc.format_message())}", file=sys.stderr)
         return exc.exit_code
+    except click.exceptions.NoArgsIsHelpError as exc:  # bare `safeckpt`: the help, as --help prints it
+        click.echo(exc.ctx.get_help())
+        return 0
     except click.UsageError as exc:
         command = exc.ctx.command_path if exc.ctx is not None else "safeckpt"
         print(f"safeckpt: error: {_one_line(exc.format_message()).rstrip('.')} (see '{command} --help')",

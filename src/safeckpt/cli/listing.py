@@ -116,6 +116,10 @@ def show_command(ckpt: str, as_json: bool, select: str | None, storage_option: t
                        f"checkpoint; show one of them, e.g. {place.storage.child(name).url}")
     m = read_committed(place.storage)
     info = describe_checkpoint(place.storage, m, select)
+    if select and not info["tensors"] and not info["values"]:
+        names = [*m.tensors, *leaf_values(m.tree)]
+        raise CliError(f"nothing in {place.storage.url} starts with {select!r} (names: {', '.join(names[:5])}"
+                       f"{', ...' if len(names) > 5 else ''})")
     if as_json:
         print_json(info)
         return 0

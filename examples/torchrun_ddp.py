@@ -83,8 +83,7 @@ def restore(mgr: safeckpt.CheckpointManager, state: dict) -> tuple[int | None, b
     try:
         return mgr.restore(state), False
     except safeckpt.StateMismatchError as exc:
-        problems = [line.strip() for line in str(exc).splitlines() if line.startswith("  ")]
-        if not problems or not all(p.startswith("per_rank:") for p in problems):
+        if not exc.keys or set(exc.keys) != {"per_rank"}:
             raise  # the model or optimizer does not match: never paper over that
     with warnings.catch_warnings():  # we know what strict=False leaves out: per_rank
         warnings.simplefilter("ignore")

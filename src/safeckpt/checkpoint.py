@@ -312,7 +312,8 @@ def _only(tree: Any, keys: list, url: str) -> Any:
     saved = dict(codec.items_of(tree, "", False)) if codec.tag_of(tree) in ("object", "$dict") else {}
     missing = [k for k in keys if k not in saved]
     if missing:
-        raise StateMismatchError(f"the checkpoint at {url} holds no {missing}")
+        raise StateMismatchError(f"the checkpoint at {url} holds no {missing}", keys=missing, missing=missing,
+                                 problems=[f"{k}: missing from the checkpoint" for k in missing])
     return {"$dict": [[codec.encode_leaf_or_tuple(k, "", False), saved[k]] for k in keys]}
 
 
@@ -340,7 +341,7 @@ def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = Tru
         build = planner.plan(state, tree)
         if planner.problems and strict:
             listing = "\n  ".join(planner.problems)
-            raise StateMismatchError(
+            raise planner.error(
                 f"the state does not match the checkpoint at {storage.url} ({len(planner.problems)} "
                 f"problem(s)):\n  {listing}\nfix the state, or pass strict=False to load what matches")
         planner.load_early()

@@ -590,3 +590,20 @@ def test_every_command_names_a_folder_state_the_same_way(tmp_path):
     found = ok(diff_verify, 1).stdout
     assert found.splitlines()[-1].startswith("different: 1 problem(s)") and data.name in found
     assert "every byte of both read" in found
+
+
+def test_first_contact_messages_from_python(tmp_path):
+    """``load_state`` of a file says it is a file (as the CLI does); saving over a
+    checkpoint saved without a step never says "(step None)"."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "trainer.pt")
+    with pytest.raises(safeckpt.CheckpointNotFoundError, match="it is a file, not a checkpoint folder"):
+        safeckpt.load_state(tmp_path / "trainer.pt")
+    with pytest.raises(safeckpt.CheckpointNotFoundError, match="the folder is empty or missing"):
+        safeckpt.load_state(tmp_path / "nothing")
+    safeckpt.save({"w": torch.ones(2)}, tmp_path / "ckpt")
+    with pytest.raises(safeckpt.CheckpointExistsError) as err:
+        safeckpt.save({"w": torch.ones(2)}, tmp_path / "ckpt")
+    assert "step None" not in str(err.value) and "overwrite=True" in str(err.value)
+    safeckpt.save({"w": torch.ones(2)}, tmp_path / "stepped", step=3)
+    with pytest.raises(safeckpt.CheckpointExistsError, match=r"\(step 3\)"):
+        safeckpt.save({"w": torch.ones(2)}, tmp_path / "stepped", step=3)

@@ -116,8 +116,8 @@ def read_committed(storage: Storage, listing: dict[str, int | None] | None = Non
         listing = storage.listdir()
     seqs = manifest_seqs(listing)
     if not seqs:
-        what = "the folder is empty or missing" if not listing else \
-            "it has no manifest (a save that never committed, or not a safeckpt checkpoint)"
+        what = ("it is a file, not a checkpoint folder" if _is_file(storage) else "the folder is empty or missing") \
+            if not listing else "it has no manifest (a save that never committed, or not a safeckpt checkpoint)"
         raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: {what}")
     problems = []
     for seq, name in seqs:
@@ -137,6 +137,15 @@ def read_committed(storage: Storage, listing: dict[str, int | None] | None = Non
                           stacklevel=3)
         return m
     raise CorruptCheckpointError(f"no valid manifest in {storage.url}: " + "; ".join(problems))
+
+
+def _is_file(storage: Storage) -> bool:
+    """Whether the path names a file (``load_state("trainer.pt")``): its parent lists it
+    with a size. Asked only when the folder lists empty, on any backend."""
+    try:
+        return storage.parent().listdir().get(storage.url.rstrip("/").rpartition("/")[2]) is not None
+    except Exception:  # noqa: BLE001 - only to choose the words of an error
+        return False
 
 
 def gc_paused(fn: F) -> F:

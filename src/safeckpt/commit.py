@@ -174,7 +174,8 @@ class SaveRun:
         if max_seq and not (self.overwrite(self.old) if callable(self.overwrite) else self.overwrite):
             if self.old is not None:
                 raise CheckpointExistsError(
-                    f"a committed checkpoint exists at {self.storage.url} (step {self.old.step}); pass "
+                    f"a committed checkpoint exists at {self.storage.url}"
+                    f"{'' if self.old.step is None else f' (step {self.old.step})'}; pass "
                     "overwrite=True to replace it atomically, or save to another path")
             # never replaced unasked: it may be the commit of a save that is running right now
             raise CheckpointExistsError(

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import click
 
 from .. import codec
+from ..checkpoint import read_committed
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsafeObjectError
 from ..manifest import STEP_RE
 from ..manifest import manifest_seq
@@ -278,9 +279,7 @@ def locate(path: str, options: dict[str, Any]) -> Place:
     if steps:
         return Place(storage, "root", steps)
     if not listing:
-        if not is_url(path) and os.path.isfile(path.removeprefix("file://")):
-            raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: it is a file, not a checkpoint folder")
-        raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: the folder is empty or missing")
+        read_committed(storage, listing)  # raises, saying whether it is a file or nothing
     raise CheckpointNotFoundError(
         f"no checkpoint at {storage.url}: it has no manifest and no step-NNNNNNNNN folders "
         "(not a safeckpt checkpoint or run root, or a save that never committed)")

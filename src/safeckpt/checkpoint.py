@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import logging
 import secrets
 import time
 import warnings
@@ -30,6 +31,7 @@ from .storage import Storage
 from .storage import open as open_storage
 
 PathLike = "str | os.PathLike[str] | Storage"
+log = logging.getLogger("safeckpt")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -67,6 +69,15 @@ class VerifyReport:
 
     def __bool__(self) -> bool:
         return self.ok
+
+
+def log_save(info: "CheckpointInfo", blocked_seconds: float | None = None) -> None:
+    """Every committed save, whoever made it (save, async_save, the manager), on logger
+    ``safeckpt`` at INFO: step, bytes, seconds, GB/s, and for an async save the time
+    the caller was blocked."""
+    blocked = "" if blocked_seconds is None else f", caller blocked {blocked_seconds:.3f}s"
+    log.info("saved %s%d bytes in %.3fs (%.2f GB/s)%s to %s", "" if info.step is None else f"step {info.step}: ",
+             info.bytes, info.seconds, info.gbps, blocked, info.path)
 
 
 def new_save_id() -> str:
@@ -244,7 +255,9 @@ def save(state: dict, path: PathLike, *, overwrite: bool = False, metadata: dict
     request = save_request(path, overwrite=overwrite, metadata=metadata, process_group=process_group,
                            storage_options=storage_options, allow_pickle=allow_pickle, step=step,
                            metrics=metrics)
-    return request.run(request.flattener(state), started)
+    info = request.run(request.flattener(state), started)
+    log_save(info)
+    return info
 
 
 def retire(storage: Storage, keep: Manifest | None, spare: "set[str] | frozenset[str]" = frozenset()) -> None:
@@ -340,6 +353,7 @@ def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = Tru
     every rank."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, not {type(state).__name__}")
+    started = time.perf_counter()
     group = resolve(process_group)
     storage = open_storage(path, **(storage_options or {}))
     manifest = _committed_for_group(storage, group)
@@ -366,6 +380,7 @@ def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = Tru
     except CheckpointError as exc:
         error = exc
     _agree_or_undo(group, error, f"loading {storage.url}", planner)
+    _log_load(storage, planner, started)
 
 
 def _agree_or_undo(group: Any, error: BaseException | None, what: str, planner: LoadPlanner) -> None:
@@ -382,6 +397,7 @@ def load_state(path: PathLike, *, verify: bool = True, storage_options: dict | N
                allow_pickle: bool = False) -> dict:
     """The saved state as a new nested dict of full CPU tensors and values (rank-local
     values come back as a list indexed by rank)."""
+    started = time.perf_counter()
     storage = open_storage(path, **(storage_options or {}))
     manifest = read_committed(storage)
     planner = LoadPlanner(manifest.tensors, True, allow_pickle)
@@ -389,7 +405,15 @@ def load_state(path: PathLike, *, verify: bool = True, storage_options: dict | N
     if planner.problems:
         raise CorruptCheckpointError(f"{storage.url}: " + "; ".join(planner.problems))
     TensorReader(storage, manifest, verify).run(planner.reads)
+    _log_load(storage, planner, started)
     return build()
+
+
+def _log_load(storage: Storage, planner: LoadPlanner, started: float) -> None:
+    seconds = time.perf_counter() - started
+    nbytes = sum(t.nbytes for r in planner.reads if (t := r.dest if r.dest is not None else r.result) is not None)
+    log.info("loaded %s: %d tensor(s), %d bytes in %.3fs (%.2f GB/s)", storage.url, len(planner.reads), nbytes,
+             seconds, nbytes / seconds / 1e9 if seconds > 0 else 0.0)
 
 
 @gc_paused

@@ -18,7 +18,7 @@ from typing import Any
 
 from . import garbage
 from .asyncsave import AsyncSaver, SaveFuture, background_group
-from .checkpoint import CheckpointInfo, load, retire, save_request
+from .checkpoint import CheckpointInfo, load, log_save, retire, save_request
 from .folderstate import COMMITTED, CORRUPT, NEWER_FORMAT, RETIRED, folder_state
 from .incremental import CHUNK_SIZE, MIN_CHUNK_SIZE
 from .tiered import Replicator, tier_candidates
@@ -214,9 +214,7 @@ class CheckpointManager:
             _quietly(folder.remove_folder)
 
     def _after_save(self, info: CheckpointInfo, blocked_seconds: float | None = None) -> None:
-        blocked = "" if blocked_seconds is None else f", caller blocked {blocked_seconds:.3f}s"
-        log.info("saved step %s: %d bytes in %.3fs (%.2f GB/s)%s to %s",
-                 info.step, info.bytes, info.seconds, info.gbps, blocked, info.path)
+        log_save(info, blocked_seconds)
         if self.group.rank != 0:
             return
         retention = self.retention if self._replicator is None else self.local_retention

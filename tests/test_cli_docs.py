@@ -264,10 +264,14 @@ def test_cli_md_is_what_the_commands_print(demo_dir, monkeypatch, endpoint):
 def test_the_readme_use_snippet_runs_twice(tmp_path, monkeypatch):
     """Pasted as written, the README's first example works, and works again."""
     readme = (DOCS.parent.parent / "README.md").read_text()
-    code = re.search(r"## Use\n\n```python\n(.*?)```", readme, re.S).group(1)
+    use = readme[readme.index("## Use\n"):readme.index("**What a state may hold:**")]
+    code = "\n".join(re.findall(r"```python\n(.*?)```", use, re.S))
     monkeypatch.chdir(tmp_path)
-    for _ in range(2):
+    for restored in (None, 900):
         namespace: dict = {}
         exec(compile(code, "README.md", "exec"), namespace)
-        assert namespace["report"].ok and torch.equal(namespace["full"]["model"]["weight"],
-                                                      namespace["model"].weight.detach())
+        assert namespace["report"].ok and namespace["fut"].result().step is None
+        assert namespace["restored"] == restored  # the second run resumes after the last save
+        if restored is None:  # (the second run's restore loads the first run's model)
+            assert torch.equal(namespace["full"]["model"]["weight"], namespace["model"].weight.detach())
+    assert safeckpt.CheckpointManager(tmp_path / "ckpt" / "run").steps() == [700, 800, 900]

@@ -128,6 +128,8 @@ VARYING = [
     (re.compile(r'("created": )\d+(\.\d+)?'), r"\1SECONDS"),
     (re.compile(r"\b[0-9a-f]{20}\b"), "SAVE-ID"),
     (re.compile(r"\bin \d+\.\ds\b"), "in N.Ns"),
+    (re.compile(r"\b\d+\.\d{3}s\b"), "N.NNNs"),
+    (re.compile(r"\b\d+\.\d\d GB/s\b"), "N.NN GB/s"),
 ]
 
 

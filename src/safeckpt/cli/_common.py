@@ -3,13 +3,14 @@ things a command is pointed at (a checkpoint, or a run root of ``step-*`` folder
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import click
 
@@ -18,7 +19,7 @@ from ..checkpoint import read_committed
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsafeObjectError
 from ..manifest import STEP_RE
 from ..manifest import manifest_seq
-from ..storage import Storage
+from ..storage import Storage, StorageWrapper
 from ..storage import open as open_storage
 
 ENV_OPTIONS = "SAFECKPT_STORAGE_OPTIONS"
@@ -154,6 +155,34 @@ def progress_console() -> Any:
     from rich.console import Console
 
     return Console(file=sys.stderr, markup=False, highlight=False, emoji=False)
+
+
+@contextlib.contextmanager
+def progress_bar(what: str) -> Iterator[Callable[[int], None]]:
+    """A bytes-done bar on stderr while a long command runs, only on a terminal (off one,
+    the INFO log lines say what happened); yields ``advance(nbytes)``."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    err = progress_console()
+    with Progress(TextColumn(what), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  console=err, transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task(what, total=None)
+        yield lambda n: progress.advance(task, n)
+
+
+class CountingWrites(StorageWrapper):
+    """A storage that reports every byte written (for a progress bar)."""
+
+    def __init__(self, inner: Storage, advance: Callable[[int], None]) -> None:
+        super().__init__(inner)
+        self.advance = advance
+
+    def write_file(self, name: str, parts: Iterable[Any]) -> int:
+        def counted() -> Iterator[Any]:
+            for part in parts:
+                yield part
+                self.advance(memoryview(part).nbytes)
+        return self.inner.write_file(name, counted())
 
 
 def table(*columns: str, right: tuple[str, ...] = (), title: str | None = None):

@@ -15,7 +15,7 @@ import collections
 import math
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Container
 
 import numpy as np
 import torch
@@ -89,6 +89,12 @@ def encode_leaf(value: Any, key: str, allow_pickle: bool) -> JSON:
     )
 
 
+def _number(value: Any) -> float:
+    if type(value) not in (int, float):
+        raise TypeError(f"{value!r} is not a number")
+    return float(value)
+
+
 def decode_leaf(node: JSON, key: str, allow_pickle: bool) -> Any:
     """Inverse of ``encode_leaf`` for one tagged or plain JSON value."""
     if not isinstance(node, dict):
@@ -100,7 +106,8 @@ def decode_leaf(node: JSON, key: str, allow_pickle: bool) -> Any:
         if tag == "$float":
             return float(arg)
         if tag == "$complex":
-            return complex(*(float(decode_leaf(part, key, False)) for part in arg))
+            real, imag = (float(part["$float"]) if isinstance(part, dict) else _number(part) for part in arg)
+            return complex(real, imag)
         if tag == "$bytes":
             return _unb64(arg)
         if tag == "$bytearray":
@@ -122,7 +129,7 @@ def decode_leaf(node: JSON, key: str, allow_pickle: bool) -> Any:
             if dtype.kind in "OV":
                 raise ValueError(f"dtype {dtype}")
             return np.frombuffer(_unb64(arg["data"]), dtype=dtype)[0]
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError, OverflowError) as exc:
         raise CorruptCheckpointError(f"cannot decode value {tag} at {key!r}: {exc}") from exc
     if tag == "$pickle":
         if not allow_pickle:
@@ -191,6 +198,97 @@ def decode_key(node: JSON, key: str, allow_pickle: bool) -> Any:
 
 
 CONTAINER_TAGS = ("$dict", "$odict", "$tuple", "$size", "$set", "$frozenset", "$tensor", "$local")
+MAX_DEPTH = 100  #: containers nested deeper than this are refused on save and on load
+_UNHASHABLE = ("$ndarray", "$bytearray")
+_INT64 = 2**63
+
+
+def check_tree(node: JSON, where: str, tensors: "Container[str]", *, plain: bool = False,
+               rank_tree: bool = False, error: type[CheckpointError] = CorruptCheckpointError) -> None:
+    """Raise ``error`` naming ``where`` unless ``node`` is a tree this codec wrote: every
+    tag with the argument its decoder expects, every leaf decodable (``$pickle`` leaves
+    are decoded on load, with the loader's opt-in), dict keys and set members hashable,
+    ``$tensor`` naming one of ``tensors``, ``$local`` not nested (``plain`` values, as
+    metadata and metrics, have neither ``$local`` nor ``$pickle``), and
+    at most ``MAX_DEPTH`` containers deep. Walked without recursion, so a crafted tree
+    of any depth is refused cleanly; after it, the decoders and the load planner (which
+    recurse) cannot fail on the tree's shape. ``rank_tree``: one rank's tree before the
+    ranks' trees are merged, where ``$local`` holds this rank's value, not every rank's."""
+    # node, its parent's key and its own name in it (the key is built only when needed:
+    # most nodes are leaves), depth, inside $local
+    stack: list[tuple[JSON, str | None, Any, int, bool]] = [(node, None, "", 0, False)]
+
+    def bad(key: str, what: str) -> CheckpointError:
+        return error(f"{where}: the value at {key or '<root>'!r} {what}")
+
+    while stack:
+        node, parent, name, depth, local = stack.pop()
+        if not isinstance(node, (dict, list)):
+            continue  # a plain JSON leaf
+        key = "" if parent is None else child_key(parent, name)
+        tag = tag_of(node)
+        if tag is None:
+            _check_leaf(node, key, not plain, bad)
+            continue
+        if depth >= MAX_DEPTH:
+            raise bad(key, f"is nested more than {MAX_DEPTH} containers deep")
+        arg = node[tag] if tag not in ("object", "list") else node
+        if tag == "$tensor":
+            if not isinstance(arg, str) or arg not in tensors:
+                raise bad(key, f"names tensor {arg!r}, which the checkpoint does not hold")
+            continue
+        if tag == "$local" and rank_tree and not local:
+            stack.append((arg, parent, name, depth + 1, True))
+            continue
+        if not isinstance(arg, (list, dict)) or (tag != "object" and not isinstance(arg, list)):
+            raise bad(key, f"is a malformed {tag} (not a list)")
+        if tag == "$local":
+            if local or plain:
+                raise bad(key, "is a rank-local value where none may be")
+            local = True
+        if tag in ("$set", "$frozenset"):
+            for member in arg:
+                _check_key(member, key, not plain, bad)
+            continue
+        if tag in ("$dict", "$odict"):
+            for pair in arg:
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise bad(key, f"is a malformed {tag} (an item is not a [key, value] pair)")
+                _check_key(pair[0], key, not plain, bad)
+            stack.extend((v, key, k, depth + 1, local) for k, v in arg)
+        elif tag == "object":
+            stack.extend((v, key, k, depth + 1, local) for k, v in arg.items())
+        else:
+            if tag == "$size" and not all(type(v) is int and 0 <= v < _INT64 for v in arg):
+                raise bad(key, "is a malformed $size (not a list of dimensions)")
+            stack.extend((v, key, i, depth + 1, local) for i, v in enumerate(arg))
+
+
+def _check_leaf(node: JSON, key: str, pickled: bool, bad: Callable[[str, str], CheckpointError]) -> None:
+    if isinstance(node, dict):
+        ((tag, arg),) = node.items()
+        if tag == "$pickle":
+            if not pickled or not isinstance(arg, str):
+                raise bad(key, "is a malformed $pickle")
+            return
+        try:
+            decode_leaf(node, key, False)
+        except CorruptCheckpointError as exc:
+            raise bad(key, f"cannot be decoded ({exc})") from exc
+
+
+def _check_key(node: JSON, key: str, pickled: bool, bad: Callable[[str, str], CheckpointError]) -> None:
+    """A dict key or set member: a hashable leaf, or a ``$tuple`` of them."""
+    stack = [(node, 0)]
+    while stack:
+        node, depth = stack.pop()
+        tag = tag_of(node)
+        if tag == "$tuple" and isinstance(node[tag], list) and depth < MAX_DEPTH:
+            stack.extend((member, depth + 1) for member in node[tag])
+        elif tag is not None or (isinstance(node, dict) and next(iter(node)) in _UNHASHABLE):
+            raise bad(key, f"has a key or member that is not hashable: {str(node)[:80]}")
+        else:
+            _check_leaf(node, key, pickled, bad)
 
 
 def tag_of(node: JSON) -> str | None:

@@ -14,7 +14,10 @@ Nothing from the source can run code: ``torch.save`` files are read with
 ``weights_only=True``, safetensors files are parsed here and memory-mapped, and a DCP
 folder's pickled ``.metadata`` goes through an unpickler that only builds DCP's own
 metadata records (torch's ``dcp_to_torch_save`` would unpickle it and its non-tensor
-values without restriction).
+values without restriction); its items are read by ``torchzip`` (CRC-32s checked,
+tensors memory-mapped). NumPy arrays and scalars are admitted (safeckpt stores them).
+Sources are memory-mapped, so an import streams tensor by tensor from the page cache
+into the new checkpoint instead of holding the state in memory.
 """
 
 from __future__ import annotations
@@ -26,24 +29,28 @@ import os
 import pickle
 import re
 import struct
+import secrets
 import tempfile
 import warnings
+import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from . import codec as _codec
+from . import torchzip
 from .checkpoint import CheckpointInfo, read_committed
 from .checkpoint import save as safeckpt_save
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
                      CorruptCheckpointError, UnsafeObjectError)
 from .manifest import Manifest
+from .plan import PlanError, check_coverage
 from .reader import TensorReader
 from .state import Read
 from .storage import Storage
 from .storage import open as open_storage
-from .tensors import SAFETENSORS_DTYPES, byte_view, dtype_from_name, nbytes_of
+from .tensors import SAFETENSORS_DTYPES, byte_view, dtype_from_name, is_shape, nbytes_of
 
 __all__ = ["ExportError", "ExportResult", "ExportedFile", "export_checkpoint", "import_checkpoint",
            "detect_format", "read_foreign", "plain_values", "read_safetensors", "parse_size", "plan_shards",
@@ -241,21 +248,76 @@ def _torch_bytes(tensors: Iterator[tuple[str, torch.Tensor]], out_names: dict[st
     return buf.getbuffer()
 
 
-def _clear(storage: Storage, names: list[str], target: _Target, overwrite: bool) -> None:
-    """Refuse to replace existing output unless ``overwrite``; with it, remove the old
-    output first, including shards of an earlier export into more files."""
+def _clear(storage: Storage, names: list[str], target: _Target, overwrite: bool, now: bool) -> list[str]:
+    """Refuse to replace existing output unless ``overwrite``; return the old output to
+    remove (with ``now``, remove it here), including shards of an earlier export into
+    more files. Shards without an index are what an interrupted export left: replaced
+    without ``overwrite``."""
     shard_re = re.compile(re.escape(target.shard_stem) + r"-[0-9]{5}-of-[0-9]{5}" + re.escape(target.shard_suffix))
     index = f"{target.shard_stem}{target.shard_suffix}.index.json"
-    existing = storage.listdir()
-    clash = sorted(n for n in names if n in existing)
+    existing = {n: size for n, size in storage.listdir().items() if size is not None}
+    leftovers = {n for n in existing if shard_re.fullmatch(n)} if index in names and index not in existing else set()
+    clash = sorted(n for n in names if n in existing and n not in leftovers)
     if clash and not overwrite:
         raise CheckpointExistsError(f"{storage.url}/{clash[0]} exists; pass --overwrite (overwrite=True) "
                                     "to replace the output")
-    if overwrite:
-        stale = set(clash)
-        if target.single_name is None:  # a folder: earlier shards and index too
-            stale |= {n for n in existing if shard_re.fullmatch(n) or n == index}
-        storage.delete(sorted(n for n in stale if existing.get(n) is not None))
+    stale = set(clash) | leftovers
+    if overwrite and target.single_name is None:  # a folder: earlier shards and index too
+        stale |= {n for n in existing if shard_re.fullmatch(n) or n == index}
+    if now:
+        storage.delete(sorted(stale))
+    return sorted(stale)
+
+
+class _Output:
+    """The files of one export, complete or absent. Where a reader could see a file
+    before it is complete, each is written under a temporary name in the destination
+    folder and renamed into place once every file is written, the index last (object
+    stores, where one PUT is atomic, write the final names). On any failure, every file
+    it wrote is removed, so a rerun finds nothing in its way."""
+
+    def __init__(self, storage: Storage, staged: bool, stale: list[str]) -> None:
+        self.storage = storage
+        self.staged = staged
+        self.stale = stale  # old output to remove once the new files are in place
+        self.token = secrets.token_hex(4)
+        self.pending: list[tuple[str, str]] = []  # (name written, final name)
+        self.placed: list[str] = []  # final names put in place (an old output there is gone)
+
+    def write(self, name: str, parts: Iterable[bytes | memoryview]) -> int:
+        written = f".{name}.{self.token}.partial" if self.staged else name
+        self.pending.append((written, name))
+        return _write(self.storage, written, parts)
+
+    def publish(self, index: str | None) -> None:
+        """Put the files in place: old index first out, new index last in."""
+        if not self.staged:
+            return
+        if index in self.stale:
+            self.storage.delete([index])
+        files = [pair for pair in self.pending if pair[1] != index]
+        for written, name in files:
+            self._place(written, name)
+        self.storage.delete([n for n in self.stale if n not in {f for _, f in self.pending}])
+        for written, name in self.pending:
+            if name == index:
+                self._place(written, name)
+        self.pending = []
+
+    def _place(self, written: str, name: str) -> None:
+        self.storage.rename(written, name)
+        self.placed.append(name)
+
+    def __enter__(self) -> "_Output":
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        if kind is not None and (self.pending or self.placed):
+            try:  # until publish, an old output under the final names stays as it was
+                self.storage.delete(sorted({written for written, _ in self.pending} | set(self.placed)))
+            except CheckpointError as cleanup:  # the export's own error matters more
+                warnings.warn(f"export to {self.storage.url} failed and removing its files failed too: {cleanup}",
+                              stacklevel=2)
 
 
 def _write(storage: Storage, name: str, parts: Iterable[bytes | memoryview]) -> int:
@@ -314,7 +376,8 @@ def export_checkpoint(ckpt: "str | os.PathLike[str] | Storage", out: "str | os.P
         file_names = [f"{target.shard_stem}-{i:05d}-of-{len(groups):05d}{target.shard_suffix}"
                       for i in range(1, len(groups) + 1)]
     index = f"{target.shard_stem}{target.shard_suffix}.index.json" if len(groups) > 1 else None
-    _clear(storage, file_names + ([index] if index else []), target, overwrite)
+    staged = storage.can_rename and not storage.atomic_write
+    stale = _clear(storage, file_names + ([index] if index else []), target, overwrite, now=not staged)
     size_of = dict(sizes)
 
     def tensors_of(group: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -324,18 +387,20 @@ def export_checkpoint(ckpt: "str | os.PathLike[str] | Storage", out: "str | os.P
                 on_tensor(name, size_of[name])
 
     written: list[ExportedFile] = []
-    for group, file_name in zip(groups, file_names):
-        if format == "safetensors":
-            _, parts = _safetensors_parts(group, out_names, manifest, tensors_of(group))
-            n = _write(storage, file_name, parts)
-        else:
-            n = _write(storage, file_name, [_torch_bytes(tensors_of(group), out_names)])
-        written.append(ExportedFile(file_name, n, len(group)))
     total = sum(size_of.values())
-    if index is not None:  # written last: a complete index means complete shards
-        weight_map = {out_names[n]: f.name for group, f in zip(groups, written) for n in group}
-        body = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _write(storage, index, [json.dumps(body, indent=2).encode() + b"\n"])
+    with _Output(storage, staged, stale) as output:
+        for group, file_name in zip(groups, file_names):
+            if format == "safetensors":
+                _, parts = _safetensors_parts(group, out_names, manifest, tensors_of(group))
+                n = output.write(file_name, parts)
+            else:
+                n = output.write(file_name, [_torch_bytes(tensors_of(group), out_names)])
+            written.append(ExportedFile(file_name, n, len(group)))
+        if index is not None:  # written last: a complete index means complete shards
+            weight_map = {out_names[n]: f.name for group, f in zip(groups, written) for n in group}
+            body = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            output.write(index, [json.dumps(body, indent=2).encode() + b"\n"])
+        output.publish(index)
     skipped = sum(1 for k in plain_values(manifest.tree) if not select or k.startswith(select))
     return ExportResult(storage.url, written, index, len(names), total, skipped)
 
@@ -404,19 +469,24 @@ def read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]
         try:
             header = json.loads(f.read(n))
             assert isinstance(header, dict)
-        except (ValueError, AssertionError) as exc:
+        except (ValueError, AssertionError, RecursionError) as exc:
             raise CorruptCheckpointError(f"{path}: not a safetensors file (bad JSON header)") from exc
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > 0 else None
     base = 8 + n
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptCheckpointError(f"{path}: not a safetensors file (__metadata__ is not a string map)")
     out: dict[str, torch.Tensor] = {}
     for name, e in header.items():
         try:
             dtype = _SAFETENSORS_TO_TORCH[e["dtype"]]
-            shape = [int(d) for d in e["shape"]]
-            begin, end = (int(x) for x in e["data_offsets"])
+            shape = e["shape"]
+            begin, end = e["data_offsets"]
+            if not is_shape(shape, dtype.itemsize) or type(begin) is not int or type(end) is not int:
+                raise ValueError("bad shape or offsets")
         except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptCheckpointError(f"{path}: tensor {name!r}: unsupported or malformed entry {e!r}") from exc
+            raise CorruptCheckpointError(f"{path}: tensor {name!r}: unsupported or malformed entry "
+                                         f"({exc})") from exc
         nbytes = nbytes_of(shape, dtype)
         if end - begin != nbytes or begin < 0 or base + end > size:
             raise CorruptCheckpointError(f"{path}: tensor {name!r}: byte range [{begin}, {end}) does not "
@@ -428,7 +498,7 @@ def read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]
         if (base + begin) % dtype.itemsize:
             raw = raw.clone()  # misaligned: copy
         out[name] = raw.view(dtype).reshape(shape)
-    return out, {str(k): str(v) for k, v in metadata.items()}
+    return out, metadata
 
 
 def _weights_only_error(path: str, exc: BaseException) -> UnsafeObjectError:
@@ -446,20 +516,25 @@ def _weights_only_error(path: str, exc: BaseException) -> UnsafeObjectError:
 
 
 def read_torch(path: str) -> Any:
-    """A ``torch.save`` file, read with ``weights_only=True`` (memory-mapped when the
-    file allows it)."""
+    """A ``torch.save`` file, read with ``weights_only=True``: a zip archive (every
+    ``torch.save`` since torch 1.6) by ``torchzip``, its CRC-32s checked and tensors
+    memory-mapped; the legacy format, which carries no checksum, by ``torch.load``."""
     try:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc):
-                raise
+        if zipfile.is_zipfile(path):
+            mm = _map(path)
+            try:
+                return torchzip.load_archive(mm, 0, len(mm), path)
+            except pickle.UnpicklingError as exc:
+                raise _weights_only_error(path, exc) from exc
+        with torchzip.numpy_allowed():
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise _weights_only_error(path, exc) from exc
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"no file at {path}") from exc
     except (RuntimeError, EOFError, ValueError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CorruptCheckpointError(f"{path}: cannot read it as a torch.save file ({first})") from exc
 
@@ -494,20 +569,25 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
 
 def read_dcp(path: str) -> dict:
     """The full state of a ``torch.distributed.checkpoint`` folder, in one process and
-    without a process group, never running code from it (see module docstring)."""
+    without a process group, never running code from it (see module docstring).
+
+    Read here rather than by DCP's loader: every item's CRC-32s are checked, tensors are
+    views of the memory-mapped ``.distcp`` files (a tensor saved in several chunks is
+    assembled in memory), and a failure is one ``CheckpointError`` naming the file."""
     try:
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+        from torch.distributed.checkpoint._traverse import set_element
     except ImportError as exc:
         raise ExportError(f"cannot read the DCP checkpoint {path}: this torch has no "
                           f"torch.distributed.checkpoint ({exc})") from exc
 
-    # checked here first: DCP turns a failure inside read_metadata into an AssertionError
     meta_path = os.path.join(path, ".metadata")
     try:
         with open(meta_path, "rb") as f:
-            _DcpMetadataUnpickler(f).load()
+            metadata = _DcpMetadataUnpickler(f).load()
+        entries = dict(metadata.state_dict_metadata)
+        planner_data = dict(metadata.planner_data or {})
+        storage = dict(metadata.storage_data)
     except pickle.UnpicklingError as exc:
         raise UnsafeObjectError(f"{meta_path}: refused: {exc}; safeckpt only reads DCP metadata "
                                 "records from it") from exc
@@ -517,59 +597,65 @@ def read_dcp(path: str) -> dict:
         raise CorruptCheckpointError(
             f"{meta_path}: cannot read the DCP metadata ({type(exc).__name__}: {exc})") from exc
 
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-            rank = kwargs.get("rank")
-            with self.fs.create_stream(self._get_metadata_path(rank), "rb") as f:
-                try:
-                    metadata = _DcpMetadataUnpickler(f).load()
-                except pickle.UnpicklingError as exc:
-                    raise UnsafeObjectError(f"{path}/.metadata: refused: {exc}; safeckpt only reads DCP "
-                                            "metadata records from it") from exc
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
+    files: dict[str, mmap.mmap] = {}
 
-    class SafePlanner(_EmptyStateDictLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            # DCP's own load_bytes unpickles with weights_only=False: decode the value
-            # safely here and hand it the re-serialized (now known-safe) result
-            try:
-                obj = torch.load(value, weights_only=True)
-            except pickle.UnpicklingError as exc:
-                raise _weights_only_error(f"{path} ({read_item.dest_index.fqn})", exc) from exc
-            safe = io.BytesIO()
-            torch.save(obj, safe)
-            safe.seek(0)
-            super().load_bytes(read_item, safe)
+    def item(fqn: str, index: Any) -> Any:
+        info = storage.get(index)
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
+            raise CorruptCheckpointError(f"{meta_path}: {fqn!r} is stored in {name!r}, not a file of the folder")
+        if getattr(info, "transform_descriptors", None):
+            raise ExportError(f"{path}/{name}: {fqn!r} was saved with transforms "
+                              f"{info.transform_descriptors}, which safeckpt does not read")
+        if name not in files:
+            files[name] = _map(os.path.join(path, name))
+        where = f"{path}/{name} ({fqn}, bytes {info.offset}+{info.length})"
+        try:
+            return torchzip.load_archive(files[name], info.offset, info.length, where)
+        except pickle.UnpicklingError as exc:
+            raise _weights_only_error(where, exc) from exc
 
     state: dict = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            _load_state_dict(state, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=True)
-        except CheckpointError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - DCP wraps rank failures in CheckpointException
-            inner = _unwrap_dcp(exc)
-            if isinstance(inner, CheckpointError):
-                raise inner from exc
-            raise CorruptCheckpointError(f"cannot read the DCP checkpoint {path}: {type(inner).__name__}: "
-                                         f"{str(inner).strip().splitlines()[0] if str(inner).strip() else ''}") from exc
+    for fqn, entry in entries.items():
+        if isinstance(entry, BytesStorageMetadata):
+            value = item(fqn, MetadataIndex(fqn))
+        elif isinstance(entry, TensorStorageMetadata):
+            value = _assemble(fqn, entry, lambda chunk: item(fqn, MetadataIndex(fqn, chunk.offsets)), meta_path)
+        else:
+            raise CorruptCheckpointError(f"{meta_path}: {fqn!r} has an unknown kind of entry")
+        set_element(state, planner_data[fqn], value) if fqn in planner_data else state.__setitem__(fqn, value)
     return state
 
 
-def _unwrap_dcp(exc: BaseException) -> BaseException:
-    """The first rank's original error inside DCP's ``CheckpointException``."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        inner = next(iter(failures.values()))
-        inner = getattr(inner, "exc", inner)  # _WrappedException
-        if isinstance(inner, BaseException):
-            return inner
-    return exc
+def _map(path: str) -> mmap.mmap:
+    """A data file, memory-mapped copy-on-write (tensors are views of it)."""
+    try:
+        with open(path, "rb") as f:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpointError(f"cannot read {path}: {exc}") from exc
+
+
+def _assemble(fqn: str, entry: Any, read: Callable[[Any], Any], where: str) -> torch.Tensor:
+    """A DCP tensor from its chunks: the chunk itself when one covers it (no copy)."""
+    shape, dtype = list(entry.size), entry.properties.dtype
+    chunks = list(entry.chunks)
+    parts = []
+    for chunk in chunks:
+        t = read(chunk)
+        if not isinstance(t, torch.Tensor) or list(t.shape) != list(chunk.sizes) or t.dtype != dtype:
+            raise CorruptCheckpointError(f"{where}: {fqn!r}: a saved chunk is not the tensor the metadata describes")
+        parts.append((list(chunk.offsets), t))
+    if len(parts) == 1 and parts[0][0] == [0] * len(shape) and list(parts[0][1].shape) == shape:
+        return parts[0][1]
+    try:
+        check_coverage(fqn, tuple(shape), [(tuple(o), tuple(t.shape)) for o, t in parts])
+    except PlanError as exc:
+        raise CorruptCheckpointError(f"{where}: {exc}") from exc
+    out = torch.empty(shape, dtype=dtype)
+    for offsets, t in parts:
+        out[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
+    return out
 
 
 FORMATS = ("torch", "safetensors", "hf", "dcp")

@@ -18,7 +18,7 @@ from . import codec
 from .checksum import ALGORITHM, BLOCK_SIZE, checksum, is_checksum
 from .errors import CorruptCheckpointError, UnsupportedFormatError
 from .plan import PlanError, check_coverage
-from .tensors import dtype_from_name, nbytes_of
+from .tensors import dtype_from_name, is_shape, nbytes_of
 
 FORMAT_VERSION = 2  # 2: incremental manifests (files of sibling checkpoints, xxh3_128 chunks)
 MANIFEST_RE = re.compile(r"manifest-([0-9]{6,})\.json", re.ASCII)
@@ -165,7 +165,11 @@ def encode_manifest(m: Manifest) -> bytes:
                     for name, t in m.tensors.items()},
         "tree": m.tree,
     }
-    raw = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    return frame(json.dumps(body, separators=(",", ":"), allow_nan=False).encode())
+
+
+def frame(raw: bytes) -> bytes:
+    """A manifest's bytes on storage: the JSON body ``raw`` in its self-checksummed frame."""
     return _PREFIX + raw + f',"checksum":"{checksum(raw)}"}}\n'.encode()
 
 
@@ -204,6 +208,8 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         body = json.loads(raw)
     except ValueError as exc:
         raise CorruptCheckpointError(f"{where}: not valid JSON ({exc})") from exc
+    except RecursionError as exc:
+        raise CorruptCheckpointError(f"{where}: its JSON is nested too deeply to be a manifest") from exc
     _need(isinstance(body, dict), where, "body is not a JSON object")
     version = body.get("format_version")
     _need(_is_int(version, 1), where, f"bad format_version {version!r}")
@@ -215,7 +221,7 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         return _decode_body(body, where)
     except CorruptCheckpointError:
         raise
-    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+    except (KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
         raise CorruptCheckpointError(f"{where}: malformed manifest ({exc!r})") from exc
 
 
@@ -260,7 +266,7 @@ def _decode_body(body: dict, where: str) -> Manifest:
     tensors: dict[str, TensorEntry] = {}
     for name, t in body["tensors"].items():
         dtype = dtype_from_name(t["dtype"], f"{where}: tensor {name!r}")
-        _need(_int_list(t["shape"]), where, f"tensor {name!r}: bad shape {t['shape']!r}")
+        _need(is_shape(t["shape"], dtype.itemsize), where, f"tensor {name!r}: bad shape {str(t['shape'])[:100]}")
         chunks = [_decode_chunk(c, name, t, dtype, files, block, where) for c in t["chunks"]]
         if len(chunks) == 1:
             _need(chunks[0].shape == t["shape"], where, f"tensor {name!r}: its chunk does not cover it")
@@ -279,14 +285,18 @@ def _decode_body(body: dict, where: str) -> Manifest:
     _need(_is_int(world, 1), where, f"bad world_size {world!r}")
     _need(isinstance(body["save_id"], str) and _is_int(body["seq"], 1)
           and type(body["created"]) in (int, float), where, "bad save_id, seq or created")
+    tree = body["tree"]
+    codec.check_tree(tree, where, tensors)
     return Manifest(
         save_id=body["save_id"], seq=body["seq"], created=float(body["created"]), world_size=world,
-        files=files, tensors=tensors, tree=body["tree"], step=step, block_size=block, run_id=run_id,
-        metadata=decode_values(body.get("metadata") or {}, "metadata"),
-        metrics=decode_values(body.get("metrics") or {}, "metrics"), version=body["format_version"])
+        files=files, tensors=tensors, tree=tree, step=step, block_size=block, run_id=run_id,
+        metadata=decode_values(body.get("metadata") or {}, "metadata", where),
+        metrics=decode_values(body.get("metrics") or {}, "metrics", where), version=body["format_version"])
 
 
-def decode_values(node: Any, what: str) -> dict[str, Any]:
-    """Inverse of ``encode_values``."""
+def decode_values(node: Any, what: str, where: str) -> dict[str, Any]:
+    """Inverse of ``encode_values``; ``where`` names the manifest in errors."""
+    _need(codec.tag_of(node) in ("object", "$dict", "$odict"), where, f"{what} is not a mapping")
+    codec.check_tree(node, f"{where}: {what}", (), plain=True)
     items = codec.items_of(node, what, allow_pickle=False)
     return {k: codec.decode_value(v, codec.child_key(what, k)) for k, v in items}

@@ -116,44 +116,79 @@ def _check_replicated(meta: dict[str, PieceInfo], holders: dict[tuple, list[int]
                             f"missing on rank(s) {missing}; wrap per-rank tensors in safeckpt.RankLocal")
 
 
-def _row_tiling(global_shape: tuple[int, ...], boxes: list[Box]) -> bool:
-    """The common case, checked in linear time: boxes that span every dimension but the
-    first and follow each other along it from 0 to the end."""
-    rest = tuple(global_shape[1:])
-    edge = 0
-    for offsets, shape in sorted(boxes):
-        if offsets[0] != edge or tuple(shape[1:]) != rest or any(offsets[1:]):
-            return False
-        edge += shape[0]
-    return edge == global_shape[0]
-
-
 def check_coverage(name: str, global_shape: tuple[int, ...], boxes: list[Box]) -> None:
-    """The saved boxes of a tensor must tile it exactly: no gaps, no overlaps."""
-    if global_shape and _row_tiling(global_shape, boxes):
-        return
+    """The saved boxes of a tensor must tile it exactly: no gaps, no overlaps. Bounded
+    by ``TILING_WORK`` steps per box and dimension, whatever the boxes (a crafted
+    manifest cannot make it slow or large); see ``_tiling_defect``."""
     total = sum(volume(s) for _, s in boxes)
     if total != volume(global_shape):
         raise PlanError(f"tensor {name!r}: the pieces cover {total} of {volume(global_shape)} "
                         "elements; every element must be held by exactly one box")
-    clash = _grid_overlap([b for b in boxes if volume(b[1])], global_shape)
-    if clash is not None:
-        raise PlanError(f"tensor {name!r}: pieces at {list(clash[0][0])} and {list(clash[1][0])} overlap")
+    corner = _tiling_defect(tuple(global_shape), boxes)
+    if corner is not None:
+        raise PlanError(f"tensor {name!r}: pieces overlap (and leave a gap as large) near {list(corner)}")
 
 
-def _grid_overlap(boxes: list[Box], global_shape: tuple[int, ...]) -> tuple[Box, Box] | None:
-    """Two boxes that share an element, or None. The boxes' edges cut the tensor into a
-    grid of cells; each box marks the cells it covers (as many cells as boxes for the
-    usual grid-shaped shardings, so this is linear in practice)."""
-    cuts = [sorted({0, g, *(o[d] for o, _ in boxes), *(o[d] + s[d] for o, s in boxes)})
-            for d, g in enumerate(global_shape)]
-    index = [{v: i for i, v in enumerate(c)} for c in cuts]
-    owner: dict[tuple[int, ...], Box] = {}
-    for box in boxes:
-        offsets, shape = box
-        spans = [range(index[d][o], index[d][o + s]) for d, (o, s) in enumerate(zip(offsets, shape))]
-        for cell in itertools.product(*spans):
-            if cell in owner:
-                return owner[cell], box
-            owner[cell] = box
-    return None
+TILING_WORK = 64  # steps per box and dimension: grids need about 2, random guillotine cuts in 6-d under 10
+
+
+def _tiling_defect(global_shape: tuple[int, ...], boxes: list[Box]) -> tuple[int, ...] | None:
+    """A point near which the boxes do not tile the tensor exactly, or None.
+
+    The boxes tile the tensor exactly when the sum of their indicator functions equals
+    the tensor's. Taking differences along one dimension turns each box into a start and
+    an end at two coordinates, each holding the box's cross-section: the sums are equal
+    when, at every coordinate, the cross-sections starting there cancel those ending
+    there (identical boxes of opposite sign cancel at once, which makes grids, row and
+    column strips linear), and a sum already checked (or its negation, as the two ends of
+    a slab give) is not checked again. Repeated over every dimension, what is left is a
+    signed count per point; any point not cancelled is a defect. Dimensions every box
+    spans whole are skipped; the work is capped at ``TILING_WORK`` steps per box and
+    dimension."""
+    dims = [d for d, g in enumerate(global_shape)
+            if any(o[d] != 0 or s[d] != g for o, s in boxes)]
+    ndim = len(dims)
+    whole = (tuple(0 for _ in dims), tuple(global_shape[d] for d in dims))
+    start: dict[Box, int] = {whole: -1}
+    for o, s in boxes:
+        if volume(s):  # an empty box holds nothing
+            key = (tuple(o[d] for d in dims), tuple(s[d] for d in dims))
+            _add(start, key, 1)
+    budget = TILING_WORK * (len(boxes) + 1) * max(ndim, 1)
+    level: list[tuple[tuple[int, ...], dict[Box, int]]] = [((), start)] if start else []
+    for _ in range(ndim):
+        nxt: list[tuple[tuple[int, ...], dict[Box, int]]] = []
+        seen: set[frozenset] = set()  # a sum and its negation need checking once
+        for prefix, items in level:
+            budget -= 2 * len(items)
+            if budget < 0:
+                raise PlanError(f"the layout of its {len(boxes)} pieces is too irregular to check "
+                                "(a grid, row or column split of the tensor always is)")
+            groups: dict[int, dict[Box, int]] = {}
+            for (o, s), count in items.items():
+                rest = (o[1:], s[1:])
+                _add(groups.setdefault(o[0], {}), rest, count)
+                _add(groups.setdefault(o[0] + s[0], {}), rest, -count)
+            for x, g in groups.items():
+                if g and (form := _canonical(g)) not in seen:
+                    seen.add(form)
+                    nxt.append((prefix + (x,), g))
+        level = nxt
+    if not level:
+        return None
+    point = dict(zip(dims, level[0][0]))
+    return tuple(point.get(d, 0) for d in range(len(global_shape)))
+
+
+def _canonical(counts: dict[Box, int]) -> frozenset:
+    """The same for a signed sum of boxes and its negation."""
+    sign = 1 if counts[min(counts)] > 0 else -1
+    return frozenset((k, v * sign) for k, v in counts.items())
+
+
+def _add(counts: dict, key: Box, value: int) -> None:
+    total = counts.get(key, 0) + value
+    if total:
+        counts[key] = total
+    else:
+        del counts[key]

@@ -110,6 +110,8 @@ def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState
         return value.state_dict() if is_stateful(value) else value
 
     tree = codec.encode(state, "", on_tensor, on_object, allow_pickle)
+    codec.check_tree(tree, "cannot save the state", pieces.keys() | aliases.keys(), rank_tree=True,
+                     error=UnsafeObjectError)
     return FlatState(tree, pieces, aliases, has_local)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -22,6 +23,10 @@ for _name, _code in (("float8_e4m3fnuz", "F8_E4M3FNUZ"), ("float8_e5m2fnuz", "F8
         SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
 
 
+QUANTIZED_DTYPES = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+MAX_DIMS = 64  # NumPy's limit, through which tensor bytes are viewed
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"``: the manifest's dtype name."""
     return str(dtype).removeprefix("torch.")
@@ -33,12 +38,26 @@ _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch
 
 
 def dtype_from_name(name: str, where: str) -> torch.dtype:
-    """Inverse of ``dtype_name``; unknown names mean a corrupt or newer checkpoint."""
+    """Inverse of ``dtype_name``; unknown names (and quantized dtypes, which are never
+    stored) mean a corrupt or newer checkpoint."""
     dtype = _DTYPES.get(name) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
+    if not isinstance(dtype, torch.dtype) or dtype in QUANTIZED_DTYPES:
         raise CorruptCheckpointError(
             f"{where}: unknown dtype {name!r} (a newer torch or safeckpt wrote it, or it is corrupt)")
     return dtype
+
+
+def is_shape(shape: Any, itemsize: int = 1) -> bool:
+    """A list of at most ``MAX_DIMS`` dimensions (ints >= 0) that torch can allocate: the
+    product of the dimensions (empty ones counted as 1) times ``itemsize`` fits in int64."""
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+        return False
+    n = itemsize
+    for d in shape:
+        if type(d) is not int or d < 0:
+            return False
+        n *= max(d, 1)
+    return n < 2**63
 
 
 def nbytes_of(shape: list[int] | tuple[int, ...], dtype: torch.dtype) -> int:
@@ -49,7 +68,6 @@ def nbytes_of(shape: list[int] | tuple[int, ...], dtype: torch.dtype) -> int:
     return n * dtype.itemsize
 
 
-QUANTIZED_DTYPES = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 
 
 def is_storable(t: torch.Tensor) -> bool:

@@ -116,8 +116,10 @@ def _run(args: list[str]) -> int:
         return 130
     except BrokenPipeError:  # `safeckpt ls ... | head`
         return 0
-    except Exception as exc:  # noqa: BLE001 - one clear line, never a traceback
-        if debug():
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - one clear line, never a traceback; torch's
+        if debug():               # CheckpointException (DCP) is a BaseException
             raise
         print(f"safeckpt: error: {_describe(exc)}", file=sys.stderr)
         return 2

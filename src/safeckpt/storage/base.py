@@ -27,6 +27,9 @@ class Storage(ABC):
     #: adjacent reads smaller than this are merged into one request (object stores pay a
     #: round trip per request, local disks only a system call)
     merge_reads_below: int = 1 << 20
+    #: ``rename`` replaces a file atomically (never needed by the commit protocol; exports
+    #: use it to put finished files in place)
+    can_rename: bool = False
 
     url: str
 
@@ -58,6 +61,10 @@ class Storage(ABC):
     @abstractmethod
     def remove_folder(self) -> None:
         """Remove this folder if it is empty (a no-op where folders are implicit)."""
+
+    def rename(self, src: str, dst: str) -> None:
+        """Atomically replace ``dst`` by ``src`` (durable on return), where ``can_rename``."""
+        raise StorageError(f"{self.url}: this storage cannot rename files")
 
     def parent(self) -> "Storage":
         """The folder holding this one (incremental checkpoints read their siblings' data)."""
@@ -102,6 +109,7 @@ class StorageWrapper(Storage):
         self.atomic_write = inner.atomic_write
         self.exclusive_create = inner.exclusive_create
         self.merge_reads_below = inner.merge_reads_below
+        self.can_rename = inner.can_rename
 
     def wrap(self, inner: Storage) -> "StorageWrapper":
         clone = copy.copy(self)
@@ -128,6 +136,9 @@ class StorageWrapper(Storage):
 
     def remove_folder(self) -> None:
         self.inner.remove_folder()
+
+    def rename(self, src: str, dst: str) -> None:
+        self.inner.rename(src, dst)
 
     def __getattr__(self, attr: str):  # backend extras, such as abort_stale_uploads
         if attr == "inner":

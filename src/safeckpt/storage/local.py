@@ -3,7 +3,8 @@
 Durability: every file is fsynced before ``write_file`` returns, and so is its folder
 (where the OS allows: Windows and some filesystems refuse folder fsync, which is then
 skipped). Files are created with ``O_EXCL`` directly under their final name and the
-process umask applies; nothing is staged elsewhere and nothing is renamed.
+process umask applies; nothing is staged elsewhere and the commit protocol renames
+nothing (``rename`` is for exports, which put finished files in place).
 
 What is read: only regular files, never through a symbolic link, below the folder that
 was opened (``anchor``): a listing shows regular files and folders and nothing else
@@ -133,6 +134,7 @@ class LocalStorage(Storage):
     them may be a symlink either."""
 
     atomic_write = False  # a reader may see a file before it is complete
+    can_rename = True
 
     def __init__(self, path: str | os.PathLike, fs: OSFileSystem | None = None, *,
                  follow_symlinks: bool = False, anchor: str | None = None) -> None:
@@ -270,6 +272,14 @@ class LocalStorage(Storage):
                 fsync_folder(folder, self.fs)
             except OSError as exc:
                 raise storage_error(exc, "sync the folder", folder) from exc
+
+    def rename(self, src: str, dst: str) -> None:
+        path = self._full(dst)
+        try:
+            self.fs.replace(self._full(src), path)
+            fsync_folder(os.path.dirname(path), self.fs)
+        except OSError as exc:
+            raise storage_error(exc, "rename into", path) from exc
 
     def remove_folder(self) -> None:
         try:

@@ -1,0 +1,409 @@
+"""Crafted checkpoints: manifests written by hand per docs/format.md, correctly framed
+and checksummed, whose content is hostile (issue 17, items 6 and 9).
+
+Every one must give a ``CheckpointError`` naming the manifest, never another exception,
+a hang or a memory bomb; ``verify`` reports it; ``CheckpointManager.steps()`` does not
+count it and ``restore()`` falls back past it to the older good step.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import safeckpt
+from safeckpt.checksum import block_checksums
+from safeckpt.export import import_checkpoint, read_safetensors
+from safeckpt.manifest import frame
+from safeckpt.plan import PlanError, check_coverage
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _body(ckpt: Path) -> tuple[Path, dict]:
+    (path,) = sorted(ckpt.glob("manifest-*.json"))
+    data = path.read_bytes()
+    return path, json.loads(data[len(b'{"safeckpt":'):data.rindex(b',"checksum":')])
+
+
+def craft(ckpt: Path, mutate: Callable[[dict], "bytes | None"]) -> Path:
+    """Rewrite the manifest of ``ckpt``: ``mutate`` changes the JSON body in place (or
+    returns raw body bytes); the result is framed with a correct checksum, so only what
+    ``mutate`` did is wrong."""
+    path, body = _body(ckpt)
+    raw = mutate(body)
+    path.write_bytes(frame(raw if raw is not None else json.dumps(body).encode()))
+    return path
+
+
+def _state() -> dict:
+    return {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(2), "step": 7,
+            "meta": {"tags": {"a", "b"}, "pair": (1, 2), "ids": {1: "x"}}}
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    path = tmp_path / "ck"
+    safeckpt.save(_state(), path)
+    return path
+
+
+def assert_refused(ckpt: Path, manifest: Path) -> None:
+    """load_state, load and verify all refuse it with a typed error naming the file."""
+    for call in (lambda: safeckpt.load_state(ckpt), lambda: safeckpt.load(_state(), ckpt),
+                 lambda: safeckpt.load_state(ckpt, verify=False)):
+        with pytest.raises(safeckpt.CorruptCheckpointError) as info:
+            call()
+        assert manifest.name in str(info.value), info.value
+    report = safeckpt.verify(ckpt)
+    assert not report.ok and manifest.name in report.problems[0]
+
+
+def _deep_json(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def _nest(depth: int) -> Any:
+    node: Any = 1
+    for _ in range(depth):
+        node = {"a": node}
+    return node
+
+
+def _set(path: list, value: Any) -> Callable[[dict], None]:
+    def mutate(body: dict) -> None:
+        node = body
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    return mutate
+
+
+def _shape(shape: list, nbytes: int = 8) -> Callable[[dict], None]:
+    """Tensor ``b`` (2 float32 values) given ``shape``, its one chunk made to agree."""
+    def mutate(body: dict) -> None:
+        entry = body["tensors"]["b"]
+        entry["shape"] = shape
+        chunk = entry["chunks"][0]
+        chunk.update(shape=shape, offsets=[0] * len(shape), end=chunk["start"] + nbytes)
+    return mutate
+
+
+def _raw_tree(raw: bytes) -> Callable[[dict], bytes]:
+    def mutate(body: dict) -> bytes:
+        body["tree"] = "__TREE__"
+        return json.dumps(body).encode().replace(b'"__TREE__"', raw)
+    return mutate
+
+
+CRAFTED = {
+    "json 100000 deep": _raw_tree(_deep_json(100_000)),
+    "tree 600 deep": _set(["tree", "step"], _nest(600)),
+    "$set of lists": _set(["tree", "meta", "tags"], {"$set": [[1], [2]]}),
+    "$set not a list": _set(["tree", "meta", "tags"], {"$set": 5}),
+    "$dict key a list": _set(["tree", "meta", "ids"], {"$dict": [[[1, 2], "x"]]}),
+    "$dict item not a pair": _set(["tree", "meta", "ids"], {"$dict": [[1, 2, 3]]}),
+    "$dict not a list": _set(["tree", "meta", "ids"], {"$dict": {"a": 1}}),
+    "$dict key an ndarray": _set(["tree", "meta", "ids"], {"$dict": [[
+        {"$ndarray": {"dtype": "<i4", "shape": [1], "data": "AQAAAA=="}}, "x"]]}),
+    "$tuple not a list": _set(["tree", "meta", "pair"], {"$tuple": 3}),
+    "$size of strings": _set(["tree", "meta", "pair"], {"$size": ["a"]}),
+    "$size too large": _set(["tree", "meta", "pair"], {"$size": [2**64]}),
+    "$tensor a list": _set(["tree", "w"], {"$tensor": ["w"]}),
+    "$tensor unknown": _set(["tree", "w"], {"$tensor": "nope"}),
+    "$local not a list": _set(["tree", "step"], {"$local": 3}),
+    "$local nested": _set(["tree", "step"], {"$local": [{"$local": [1]}]}),
+    "$device garbage": _set(["tree", "step"], {"$device": "xyz:-1"}),
+    "$device a dict": _set(["tree", "step"], {"$device": {}}),
+    "$dtype not a dtype": _set(["tree", "step"], {"$dtype": "nn"}),
+    "$int not hex": _set(["tree", "step"], {"$int": "zz"}),
+    "$float a list": _set(["tree", "step"], {"$float": [1]}),
+    "$complex nested": _set(["tree", "step"], {"$complex": [{"$complex": [1, 2]}, 1]}),
+    "$complex three parts": _set(["tree", "step"], {"$complex": [1, 2, 3]}),
+    "$bytes not base64": _set(["tree", "step"], {"$bytes": "!!"}),
+    "$ndarray bad shape": _set(["tree", "step"], {"$ndarray": {"dtype": "<i4", "shape": [2**64], "data": ""}}),
+    "$ndarray object dtype": _set(["tree", "step"], {"$ndarray": {"dtype": "|O", "shape": [1], "data": ""}}),
+    "$npscalar empty": _set(["tree", "step"], {"$npscalar": {"dtype": "<f4", "data": ""}}),
+    "unknown tag": _set(["tree", "step"], {"$what": 1}),
+    "metadata a list": _set(["metadata"], [1, 2]),
+    "metadata pickled": _set(["metadata"], {"x": {"$pickle": "gAQu"}}),
+    "metadata rank-local": _set(["metadata"], {"x": {"$local": [1]}}),
+    "metrics a tensor": _set(["metrics"], {"x": {"$tensor": "w"}}),
+    "metadata deep": _set(["metadata"], {"x": _nest(600)}),
+    "shape 2**64 x 0": _shape([2**64, 0], 0),
+    "shape 2**62 x 2**62 x 0": _shape([2**62, 2**62, 0], 0),
+    "shape 65 dims": _shape([2] + [1] * 64),
+    "shape negative": _shape([-2]),
+    "shape of floats": _shape([2.0]),
+    "shape not a list": _set(["tensors", "b", "shape"], 2),
+    "dtype unknown": _set(["tensors", "b", "dtype"], "float99"),
+    "dtype quantized": _set(["tensors", "b", "dtype"], "qint32"),
+    "dtype a list": _set(["tensors", "b", "dtype"], ["float32"]),
+    "chunk past the file": _set(["tensors", "b", "chunks", 0, "end"], 10**12),
+    "chunk file a list": _set(["tensors", "b", "chunks", 0, "file"], ["x"]),
+    "chunk not an object": _set(["tensors", "b", "chunks", 0], [1]),
+    "created too large": _set(["created"], 10**400),
+    "files not a list": _set(["files"], 3),
+    "tensors a list": _set(["tensors"], [1]),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_a_crafted_manifest_is_a_corrupt_checkpoint(ckpt, case):
+    manifest = craft(ckpt, CRAFTED[case])
+    assert_refused(ckpt, manifest)
+
+
+def test_restore_falls_back_past_crafted_checkpoints(tmp_path):
+    """steps() and restore() skip a crafted newest step (deep JSON, deep tree, bad
+    values) and restore the older good one."""
+    root = tmp_path / "run"
+    mgr = safeckpt.CheckpointManager(root)
+    for step in (100, 200, 300, 400):
+        mgr.save(step, _state())
+    mgr.close()
+    for step, case in ((200, "tree 600 deep"), (300, "$set of lists"), (400, "json 100000 deep")):
+        craft(root / f"step-{step:09d}", CRAFTED[case])
+    mgr = safeckpt.CheckpointManager(root)
+    assert mgr.steps() == [100] and mgr.latest_step() == 100
+    target = _state()
+    target["w"].zero_()
+    with pytest.warns(UserWarning, match="step-000000400"):
+        assert mgr.restore(target) == 100
+    assert torch.equal(target["w"], torch.arange(12.0).reshape(3, 4))
+    mgr.close()
+
+
+def test_a_tree_at_the_depth_limit_saves_and_loads_and_a_deeper_one_is_refused(tmp_path):
+    from safeckpt.codec import MAX_DEPTH
+
+    deep = _nest(MAX_DEPTH - 1)  # the state dict itself is one level
+    safeckpt.save({"x": deep}, tmp_path / "ok")
+    assert safeckpt.load_state(tmp_path / "ok") == {"x": deep}
+    with pytest.raises(safeckpt.UnsafeObjectError, match="deep"):
+        safeckpt.save({"x": _nest(MAX_DEPTH)}, tmp_path / "deep")
+    assert not (tmp_path / "deep").exists() or not list((tmp_path / "deep").iterdir())
+
+
+# --------------------------------------------------------------------------- coverage (item 6)
+
+
+def _strips(n: int, rows: int) -> list:
+    """``rows`` full-width row strips over the top, column strips of the rest below."""
+    return ([((i, 0), (1, n)) for i in range(rows)]
+            + [((rows, j), (n - rows, 1)) for j in range(n)])
+
+
+def test_a_mixed_strip_manifest_is_checked_in_bounded_memory_and_time(tmp_path):
+    """The issue's bomb: a 3000 x 3000 tensor in 4,500 chunks, 1,500 row strips over
+    3,000 column strips. Before, ``verify`` built 9 million grid cells (546 MB, 6.5 s)."""
+    n, rows = 3000, 1500
+    boxes = _strips(n, rows)
+    ckpt = tmp_path / "ck"
+    safeckpt.save({"w": torch.zeros(n, n, dtype=torch.uint8)}, ckpt)
+
+    def many_chunks(body: dict) -> None:
+        entry = body["tensors"]["w"]
+        (chunk,) = entry["chunks"]
+        pos, chunks = chunk["start"], []
+        for offsets, shape in boxes:
+            size = shape[0] * shape[1]
+            chunks.append({"file": chunk["file"], "start": pos, "end": pos + size, "offsets": list(offsets),
+                           "shape": list(shape), "checksums": block_checksums(bytes(size))})
+            pos += size
+        entry["chunks"] = chunks
+
+    manifest = craft(ckpt, many_chunks)
+    assert manifest.stat().st_size < 1 << 20
+    tracemalloc.start()
+    try:
+        started = time.perf_counter()
+        report = safeckpt.verify(ckpt)
+        seconds = time.perf_counter() - started
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert report.ok, report.problems
+    assert peak < 64 << 20, f"verify of a 0.5 MB manifest traced {peak >> 20} MiB"
+    assert seconds < 5, seconds
+    assert torch.equal(safeckpt.load_state(ckpt)["w"], torch.zeros(n, n, dtype=torch.uint8))
+
+
+def test_the_coverage_check_is_exact_and_linear():
+    n = 3000
+    boxes = _strips(n, 1500)
+    tracemalloc.start()
+    try:
+        started = time.perf_counter()
+        check_coverage("w", (n, n), boxes)
+        moved = list(boxes)
+        moved[10] = ((1400, 0), (1, n))  # row 1400 twice, row 10 missing: the volumes still add up
+        with pytest.raises(PlanError, match=r"overlap.*near \[10, 0\]"):
+            check_coverage("w", (n, n), moved)
+        moved = list(boxes)
+        moved[2000] = ((1500, 7), (1500, 1))  # a column twice, another missing
+        with pytest.raises(PlanError, match="overlap"):
+            check_coverage("w", (n, n), moved)
+        seconds = time.perf_counter() - started
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20 and seconds < 3, (peak, seconds)
+    # tilings no grid describes: a pinwheel, and a staircase through 40 dimensions
+    check_coverage("p", (3, 3), [((0, 0), (2, 1)), ((0, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 0), (1, 2)),
+                                 ((1, 1), (1, 1))])
+    d = 40
+    stairs = [(tuple([1] * i + [0] * (d - i)), tuple([1] * (i + 1) + [2] * (d - i - 1))) for i in range(d)]
+    check_coverage("s", (2,) * d, stairs + [((1,) * d, (1,) * d)])
+    with pytest.raises(PlanError):
+        check_coverage("s", (2,) * d, stairs + [((0,) * d, (1,) * d)])
+    with pytest.raises(PlanError):  # a box leaving the tensor, balanced by a gap
+        check_coverage("o", (4,), [((0,), (2,)), ((3,), (2,))])
+
+
+def test_a_layout_too_irregular_to_check_is_refused_not_slow():
+    """Boxes cut in many dimensions with nothing cancelling: the work bound stops it."""
+    import random
+
+    rng, d, cuts = random.Random(0), 12, 6
+    boxes = []
+    for _ in range(2**cuts):  # each box half of the tensor in 6 of 12 dimensions: the volumes add up
+        offsets, shape = [0] * d, [2] * d
+        for k in rng.sample(range(d), cuts):
+            offsets[k], shape[k] = rng.randint(0, 1), 1
+        boxes.append((tuple(offsets), tuple(shape)))
+    started = time.perf_counter()
+    with pytest.raises(PlanError):
+        check_coverage("x", (2,) * d, boxes)
+    assert time.perf_counter() - started < 2
+
+
+# --------------------------------------------------------------------------- safetensors import
+
+
+def _safetensors(path: Path, header: bytes, data: bytes = b"") -> Path:
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return path
+
+
+@pytest.mark.parametrize("header", [
+    b'{"x":{"dtype":"F32","shape":[-1,4],"data_offsets":[0,0]}}',
+    b'{"x":{"dtype":"F32","shape":[2,-2],"data_offsets":[0,16]}}',
+    b'{"x":{"dtype":"F32","shape":[4611686018427387904,4611686018427387904,0],"data_offsets":[0,0]}}',
+    b'{"x":{"dtype":"F32","shape":[2.5],"data_offsets":[0,8]}}',
+    b'{"x":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}}',
+    b'{"x":{"dtype":"F32","shape":[2],"data_offsets":"ab"}}',
+    b'{"x":{"dtype":["F32"],"shape":[2],"data_offsets":[0,8]}}',
+    b'{"x":[1]}',
+    b'{"__metadata__":[1,2]}',
+    b'{"__metadata__":{"k":{"deep":1}}}',
+    b'{"x":' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+], ids=["negative", "negative-2", "overflow", "float-dim", "reversed", "offsets-str", "dtype-list",
+        "entry-list", "metadata-list", "metadata-nested", "recursion-bomb"])
+def test_a_crafted_safetensors_file_is_refused_on_import(tmp_path, header):
+    src = _safetensors(tmp_path / "x.safetensors", header, bytes(16))
+    with pytest.raises(safeckpt.CorruptCheckpointError, match="x.safetensors"):
+        read_safetensors(str(src))
+    with pytest.raises(safeckpt.CorruptCheckpointError, match="x.safetensors"):
+        import_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- fuzzing
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+TAGS = ["$dict", "$odict", "$tuple", "$size", "$set", "$frozenset", "$tensor", "$local", "$int", "$float",
+        "$complex", "$bytes", "$bytearray", "$dtype", "$device", "$ndarray", "$npscalar", "$pickle", "$what"]
+_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
+                  st.text(max_size=6), st.sampled_from(["w", "b", "float32", "AQAAAA==", "<i4", "|O", "cpu",
+                                                        "cuda:1", "0x10", "nan", "inf", "qint8"]))
+_NAMES = st.sampled_from(["w", "b", "float32", "int8", "cpu", "cuda:1", "meta:-1", "0x10", "nan", "inf",
+                          "AQAAAA==", "<i4", "|O", "<f8", "V8", ""])
+
+
+def _containers(inner: st.SearchStrategy) -> st.SearchStrategy:
+    """Tagged nodes shaped nearly like the codec's, so their arguments are what is wrong."""
+    seq = st.lists(inner, max_size=4)
+    return st.one_of(
+        seq, st.dictionaries(st.one_of(st.text(max_size=4), st.sampled_from(TAGS)), inner, max_size=3),
+        st.tuples(st.sampled_from(["$set", "$frozenset", "$tuple", "$size", "$local"]), st.one_of(seq, inner)),
+        st.tuples(st.sampled_from(["$dict", "$odict"]),
+                  st.one_of(st.lists(st.tuples(inner, inner).map(list), max_size=3), seq, inner)),
+        st.tuples(st.sampled_from(["$tensor", "$int", "$float", "$bytes", "$bytearray", "$dtype", "$device",
+                                   "$pickle", "$what", "$complex"]), st.one_of(_NAMES, inner, seq)),
+        st.tuples(st.sampled_from(["$ndarray", "$npscalar"]),
+                  st.fixed_dictionaries({"dtype": st.one_of(_NAMES, inner), "data": st.one_of(_NAMES, inner)},
+                                        optional={"shape": st.one_of(st.lists(st.integers(-1, 2**64), max_size=3),
+                                                                     inner)})),
+    ).map(lambda node: {node[0]: node[1]} if isinstance(node, tuple) else node)
+
+
+_VALUE = st.recursive(st.one_of(_LEAF, _NAMES, st.integers(0, 900).map(_nest)), _containers, max_leaves=12)
+_TREE_PLACES = [["tree"], ["tree", "w"], ["tree", "step"], ["tree", "meta"], ["tree", "meta", "ids"],
+                ["tree", "meta", "tags"], ["tree", "meta", "pair"], ["tree", "meta", "ids", "$dict", 0, 0],
+                ["tree", "meta", "tags", "$set", 0], ["tree", "meta", "pair", "$tuple", 0]]
+_PLACES = _TREE_PLACES * 3 + [["metadata"], ["metrics"], ["tensors"], ["tensors", "b"],
+           ["tensors", "b", "shape"], ["tensors", "b", "dtype"], ["tensors", "b", "chunks"],
+           ["tensors", "w", "tied_to"], ["files"], ["files", 0], ["world_size"], ["step"], ["seq"],
+           ["created"], ["block_size"], ["run_id"], ["save_id"]] + [
+    ["tensors", "w", "chunks", 0, f] for f in ("file", "start", "end", "offsets", "shape", "checksums")] + [
+    ["files", 0, f] for f in ("name", "size", "header_size", "header_checksum", "rank")]
+_FUZZ = settings(max_examples=200, deadline=2000, derandomize=True, database=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+def _outcome(call: Callable[[], Any]) -> None:
+    """A committed load or a CheckpointError; nothing else, and little memory."""
+    tracemalloc.start()
+    try:
+        call()
+    except safeckpt.CheckpointError:
+        pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"{peak >> 20} MiB"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@_FUZZ
+@given(data=st.data())
+def test_fuzzed_manifests_load_or_raise_a_checkpoint_error(ckpt, data):
+    path, body = _body(ckpt)
+    original = path.read_bytes()
+    try:
+        for _ in range(data.draw(st.integers(1, 3))):
+            place = data.draw(st.sampled_from(_PLACES))
+            try:
+                _set(place, data.draw(_VALUE))(body)
+            except (KeyError, IndexError, TypeError):
+                pass  # an earlier change removed the place
+        path.write_bytes(frame(json.dumps(body).encode()))
+        _outcome(lambda: safeckpt.load_state(ckpt))
+        _outcome(lambda: safeckpt.load(_state(), ckpt, strict=False))
+        _outcome(lambda: safeckpt.verify(ckpt))
+    finally:
+        path.write_bytes(original)
+
+
+@pytest.mark.timeout(60)
+@_FUZZ
+@given(header=st.dictionaries(st.one_of(st.text(max_size=4), st.just("__metadata__")), _VALUE, max_size=3),
+       entry=st.fixed_dictionaries({"dtype": st.one_of(st.sampled_from(["F32", "U8", "BOOL"]), _VALUE),
+                                    "shape": st.one_of(st.lists(st.integers(-3, 2**64), max_size=4), _VALUE),
+                                    "data_offsets": st.one_of(st.lists(st.integers(-3, 40), max_size=3), _VALUE)}))
+def test_fuzzed_safetensors_headers_read_or_raise_a_checkpoint_error(tmp_path, header, entry):
+    header["x"] = entry
+    src = _safetensors(tmp_path / "f.safetensors", json.dumps(header).encode(), bytes(32))
+    _outcome(lambda: read_safetensors(str(src)))

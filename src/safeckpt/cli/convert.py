@@ -51,20 +51,28 @@ def export_command(ckpt: str, out: str, fmt: str, max_shard_size: str | None, se
     if as_json:
         print_json({"path": result.folder, "format": fmt,
                     "files": [{"name": f.name, "bytes": f.bytes, "tensor_count": f.tensors} for f in result.files],
-                    "index": result.index, "tensor_count": result.tensors, "bytes": result.bytes,
-                    "values_left_out": result.skipped_values})
+                    "index": result.index, "config": result.config, "tensor_count": result.tensors,
+                    "bytes": result.bytes, "tied": result.tied, "values_left_out": result.skipped_values})
         return 0
     o = console()
     t = table("file", "tensors", "size", right=("tensors", "size"))
     for f in result.files:
         t.add_row(text(f"{result.folder}/{f.name}"), text(f.tensors), text(human_bytes(f.bytes)))
+    if result.config:
+        t.add_row(text(f"{result.folder}/{result.config}"), text("-"), text("config"))
     if result.index:
         t.add_row(text(f"{result.folder}/{result.index}"), text("-"), text("index"))
     o.print(t)
     say(o, f"exported {result.tensors} tensor(s), {human_bytes(result.bytes)} of data, "
                  f"as {len(result.files)} {fmt} file(s)"
+                 + (f"; {len(result.tied)} tied tensor(s) written once ({_tied(result.tied)})" if result.tied else "")
                  + (f"; {result.skipped_values} non-tensor value(s) left out" if result.skipped_values else ""))
     return 0
+
+
+def _tied(ties: dict[str, str]) -> str:
+    shown = [f"{alias} = {kept}" for alias, kept in list(ties.items())[:3]]
+    return ", ".join(shown) + (", ..." if len(ties) > 3 else "")
 
 
 def _metadata(pairs: tuple[str, ...]) -> dict:

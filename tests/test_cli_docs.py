@@ -161,7 +161,8 @@ class Runner:
 
     def run(self, command: str) -> str:
         args = shlex.split(self._in(command))
-        out, err = io.StringIO(), io.StringIO()
+        both = io.StringIO()  # what `command 2>&1` shows, in order
+        out, err = _Tee(both), _Tee(both)
         code = 0
         shown_warning = warnings.showwarning
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -179,9 +180,21 @@ class Runner:
         warnings.showwarning = shown_warning
         if args[0] == "safeckpt" and "--json" in args and code in (0, 1):
             self.json_outputs.append((args[1], json.loads(out.getvalue())))
-        text = out.getvalue() + err.getvalue()
+        text = both.getvalue()
         text = text.rstrip("\n") + (f"\n[exit status {code}]" if code else "")
         return self.shown(text).strip("\n")
+
+
+class _Tee(io.StringIO):
+    """One stream of a command (its stdout or stderr) that also writes into both."""
+
+    def __init__(self, both: io.StringIO) -> None:
+        super().__init__()
+        self.both = both
+
+    def write(self, text: str) -> int:
+        self.both.write(text)
+        return super().write(text)
 
 
 @pytest.fixture(scope="module")

@@ -407,7 +407,6 @@ def export_checkpoint(ckpt: "str | os.PathLike[str] | Storage", out: "str | os.P
             else:
                 n = output.write(file_name, [_torch_bytes(tensors_of(group), out_names)])
             written.append(ExportedFile(file_name, n, len(group)))
-            log.info("exported %s/%s: %d tensor(s), %d bytes", storage.url, file_name, len(group), n)
         if config is not None:
             output.write(hflayout.CONFIG_FILE, [config])
         if index is not None:  # written last: a complete index means complete shards
@@ -415,6 +414,8 @@ def export_checkpoint(ckpt: "str | os.PathLike[str] | Storage", out: "str | os.P
             body = {"metadata": {"total_size": total}, "weight_map": weight_map}
             output.write(index, [json.dumps(body, indent=2).encode() + b"\n"])
         output.publish(index)
+    for f in written:  # once in place: a failed export never claims a file
+        log.info("exported %s/%s: %d tensor(s), %d bytes", storage.url, f.name, f.tensors, f.bytes)
     skipped = sum(1 for k in plain_values(manifest.tree) if not select or k.startswith(select))
     return ExportResult(storage.url, written, index, len(names), total, skipped,
                         {out_names[a]: out_names[k] for a, k in ties.items()}, config_name)

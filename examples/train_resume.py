@@ -109,9 +109,10 @@ class SaveKiller(threading.Thread):
                     files = {f.name: f.stat().st_size for f in folder.iterdir()}
                     data = {n: s for n, s in files.items() if "data-" in n and s >= 4_000_000}
                     if data and not any(n.startswith("manifest-") for n in files):
-                        name, size = next(iter(data.items()))
-                        print(f"  !! SIGKILL now: {folder.name}/{name} has {size / 1e6:.1f} MB "
-                              "on disk and there is no manifest yet", flush=True)
+                        # no size here: the save's threads keep writing until the kill lands,
+                        # so the listing after death (describe) is the one true size
+                        print(f"  !! SIGKILL now: {folder.name}/{next(iter(data))} is being written "
+                              "and there is no manifest yet", flush=True)
                         os.kill(os.getpid(), signal.SIGKILL)
             except OSError:
                 pass                  # a folder or file vanished under us; look again

@@ -480,3 +480,16 @@ def test_an_async_manager_save_is_logged_with_blocked_seconds(tmp_path, caplog):
     hit = [m for m in msgs if re.search(r"\bstep\D{0,3}456\b", m) and str(info.bytes) in m
            and "GB/s" in m and re.search(r"blocked\D{0,10}" + _NUM, m)]
     assert hit, f"no record names the step, bytes, seconds, GB/s and blocked seconds: {msgs}"
+
+
+def test_plain_saves_and_loads_are_logged(tmp_path, caplog):
+    """Not only the manager: ``save``, ``load`` and ``load_state`` log at INFO too."""
+    caplog.set_level(logging.INFO, logger="safeckpt")
+    state = make_state(1)
+    info = safeckpt.save(state, tmp_path / "c", step=7)
+    safeckpt.load(state, tmp_path / "c")
+    safeckpt.load_state(tmp_path / "c")
+    msgs = _save_records(caplog)
+    assert [m for m in msgs if m.startswith("saved step 7: ") and str(info.bytes) in m and "GB/s" in m], msgs
+    loads = [m for m in msgs if m.startswith(f"loaded {info.path}: ") and "GB/s" in m]
+    assert len(loads) == 2, msgs

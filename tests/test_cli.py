@@ -232,7 +232,7 @@ def test_verify_exit_codes(tmp_path):
     safeckpt.save({"w": torch.arange(100.0)}, bad)
     data = flip_last_byte(bad)
     ok_run, bad_run = run_all(cmd("verify", good), cmd("verify", bad))
-    assert "ok" in ok(ok_run).stdout and ok_run.stderr == ""  # no progress bar without a terminal
+    assert ok(ok_run).stdout.startswith("committed ") and ok_run.stderr == ""  # no progress bar without a terminal
     ok(bad_run, 1)
     assert "CORRUPT" in bad_run.stdout and "'w'" in bad_run.stdout and data.name in bad_run.stdout
 
@@ -260,12 +260,12 @@ def test_ls_show_verify_a_run_root(run_root):
 
     table = ok(ls).stdout
     for step, status in (("100", "committed"), ("200", "committed"), ("300", "committed"),
-                         ("400", "incomplete save")):
+                         ("400", "torn save")):
         assert any(line.split()[:1] == [step] and line.rstrip().endswith(status) for line in table.splitlines()), table
     assert "loss=0.01" in table and "4 checkpoint folder(s)" in table
     rows = json.loads(ok(ls_json).stdout)
     assert [(r["step"], r["status"]) for r in rows] == [(100, "committed"), (200, "committed"),
-                                                        (300, "committed"), (400, "incomplete")]
+                                                        (300, "committed"), (400, "torn")]
     assert rows[0]["metrics"] == {"loss": 0.01} and rows[0]["world_size"] == 1 and rows[0]["bytes"] > 0
     assert rows[0]["path"].endswith("step-000000100") and rows[0]["metadata"] == {"run": "cli-test"}
     assert rows[3]["bytes"] > 0 and rows[3]["metrics"] == {}
@@ -281,12 +281,12 @@ def test_ls_show_verify_a_run_root(run_root):
 
     out = ok(verify, 1).stdout
     lines = out.splitlines()
-    assert any(line.startswith("ok") and "step-000000100" in line for line in lines), out
+    assert any(line.startswith("committed ") and "step-000000100" in line for line in lines), out
     assert any(line.startswith("CORRUPT") and "step-000000200" in line for line in lines), out
-    assert any(line.startswith("incomplete") and "step-000000400" in line for line in lines), out
+    assert any(line.startswith("torn save ") and "step-000000400" in line for line in lines), out
     problem = next(line for line in lines if line.startswith("  - "))
     assert "step-000000200/data-" in problem and "tensor 'optim.state.3.exp_avg_sq'" in problem
-    assert "2 ok, 1 corrupt, 1 incomplete" in out
+    assert "checked 4 checkpoint folder(s)" in out and out.rstrip().endswith("2 committed, 1 torn, 1 corrupt")
 
 
 def test_gc_dry_run_changes_nothing_and_gc_spares_young_saves(run_root, tmp_path):
@@ -445,7 +445,7 @@ def test_four_rank_checkpoint_local(four_ranks, tmp_path):
     w = next(line.split() for line in out.splitlines() if line.startswith("model.w "))
     assert w[1:] == ["float32", "[16,", "10]", "4", "640", "B"], w  # 4 chunks, one per rank
     assert "world size   4" in out and "pos@3" in out
-    assert "1 ok, 0 corrupt" in ok(verify).stdout and "(4 file(s)" in verify.stdout
+    assert ": 1 committed" in ok(verify).stdout and "(4 file(s)" in verify.stdout
 
     ok(sharded)  # the Hugging Face layout: shards + index, names without the prefix
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
@@ -507,8 +507,8 @@ def test_four_rank_checkpoint_on_s3(four_ranks, tmp_path):
     assert tensors["model.bias"]["chunks"] == 1 and info["world_size"] == 4 and len(info["files"]) >= 2
     assert info["values"]["opt.betas"] == "(0.9, 0.99)" and info["values"]["pos@2"] == 20
     verdicts = json.loads(ok(verify).stdout)
-    assert [(v["path"], v["status"], v["problems"]) for v in verdicts] == [(ckpt, "ok", [])]
-    assert verdicts[0]["bytes_checked"] == rows[0]["bytes"]
+    assert [(v["path"], v["status"], v["problems"]) for v in verdicts] == [(ckpt, "committed", [])]
+    assert verdicts[0]["bytes"] == rows[0]["bytes"]
     assert ok(diff).stdout.splitlines()[-1].startswith("identical: 3 identical tensor(s)")  # 4 ranks local vs S3
     assert "nothing to remove" in ok(gc).stdout
     one_error_line(missing, "does not exist")
@@ -542,3 +542,68 @@ def test_wrong_credentials_are_one_clear_line(seaweedfs_server):  # noqa: F811
             "-o", f"key={seaweedfs_server.key}", "-o", "secret=wrong-secret",
             "-o", 'config_kwargs={"retries": {"max_attempts": 1}}')
     one_error_line(p, "credentials")
+
+
+# --------------------------------------------------------------------------- one vocabulary, first contact
+
+
+def test_every_command_names_a_folder_state_the_same_way(tmp_path):
+    """A newer format is a newer format in ls and verify (never counted corrupt, never 0
+    bytes); bare ``safeckpt`` prints its help as --help does; ``show --select`` of a
+    missing prefix is an error naming what exists; ``diff`` says whether it read the
+    data, and ``--verify`` finds a copy whose bytes differ under equal checksums."""
+    from test_corruption import future_version
+
+    root = tmp_path / "run"
+    for step in (1, 2):
+        safeckpt.save({"w": torch.arange(64.0), "step": step}, root / f"step-{step:09d}", step=step)
+    future_version(root / "step-000000002")
+    (root / "step-000000003").mkdir()
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "step-000000001", copy)
+    data = next(copy.glob("data-*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-8:-4] = b"\x01\x02\x03\x04"  # 4 bytes of w's data
+    data.write_bytes(bytes(raw))
+
+    ls, ls_json, verify, verify_json, bare, help_, select, diff, diff_verify = run_all(
+        cmd("ls", root), cmd("ls", root, "--json"), cmd("verify", root), cmd("verify", root, "--json"),
+        cmd(), cmd("--help"), cmd("show", root / "step-000000001", "--select", "nosuch"),
+        cmd("diff", root / "step-000000001", copy), cmd("diff", root / "step-000000001", copy, "--verify"))
+
+    states = [(r["step"], r["status"]) for r in json.loads(ok(ls_json).stdout)]
+    assert states == [(1, "committed"), (2, "newer_format"), (3, "empty")]
+    verdicts = json.loads(ok(verify_json, 1).stdout)
+    assert [v["status"] for v in verdicts] == ["committed", "newer_format", "empty"]
+    assert verdicts[1]["bytes"] > 0 and "upgrade" in verdicts[1]["problems"][0]
+    assert "newer format (upgrade safeckpt)" in ok(ls).stdout and "1 newer format, 1 empty" in ls.stdout
+    out = ok(verify, 1).stdout
+    assert "CORRUPT" not in out and "corrupt" not in out, out
+    assert any(line.startswith("newer format ") and "step-000000002" in line for line in out.splitlines()), out
+    assert out.rstrip().endswith("1 committed, 1 newer format, 1 empty") and " 0 B " not in out
+
+    assert ok(bare).stdout == ok(help_).stdout and bare.stdout.count("\n") > 10
+    one_error_line(select, "nosuch", "names: w, step")
+
+    plain = ok(diff).stdout
+    assert "identical" in plain.splitlines()[-1] and "by their checksums (not read)" in plain
+    found = ok(diff_verify, 1).stdout
+    assert found.splitlines()[-1].startswith("different: 1 problem(s)") and data.name in found
+    assert "every byte of both read" in found
+
+
+def test_first_contact_messages_from_python(tmp_path):
+    """``load_state`` of a file says it is a file (as the CLI does); saving over a
+    checkpoint saved without a step never says "(step None)"."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "trainer.pt")
+    with pytest.raises(safeckpt.CheckpointNotFoundError, match="it is a file, not a checkpoint folder"):
+        safeckpt.load_state(tmp_path / "trainer.pt")
+    with pytest.raises(safeckpt.CheckpointNotFoundError, match="the folder is empty or missing"):
+        safeckpt.load_state(tmp_path / "nothing")
+    safeckpt.save({"w": torch.ones(2)}, tmp_path / "ckpt")
+    with pytest.raises(safeckpt.CheckpointExistsError) as err:
+        safeckpt.save({"w": torch.ones(2)}, tmp_path / "ckpt")
+    assert "step None" not in str(err.value) and "overwrite=True" in str(err.value)
+    safeckpt.save({"w": torch.ones(2)}, tmp_path / "stepped", step=3)
+    with pytest.raises(safeckpt.CheckpointExistsError, match=r"\(step 3\)"):
+        safeckpt.save({"w": torch.ones(2)}, tmp_path / "stepped", step=3)

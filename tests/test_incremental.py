@@ -949,20 +949,20 @@ def test_cli_on_an_incremental_run(tmp_path, capsys):
     for step in (3, 4):
         m = manifest(str(root / step_folder(step)))
         assert rows[step]["status"] == "committed"
-        assert rows[step]["bytes"] == m.total_bytes and rows[step]["shared"] == m.shared_bytes()
-        assert rows[step]["shared"] == nbytes(frozen(4, 256)) and rows[step]["bytes"] < rows[step]["shared"]
+        assert rows[step]["bytes"] == m.total_bytes and rows[step]["shared_bytes"] == m.shared_bytes()
+        assert rows[step]["shared_bytes"] == nbytes(frozen(4, 256)) and rows[step]["bytes"] < rows[step]["shared_bytes"]
 
     text = _ok(verify)
     lines = text.splitlines()
-    assert any(line.startswith("ok") and line.rstrip().endswith(")") and step_folder(4) in line for line in lines)
-    assert any(line.startswith("ok") and step_folder(3) in line for line in lines)
+    assert any(line.startswith("committed ") and line.rstrip().endswith(")") and step_folder(4) in line for line in lines)
+    assert any(line.startswith("committed ") and step_folder(3) in line for line in lines)
     assert any(line.startswith("retired") and step_folder(1) in line for line in lines)
-    assert "2 ok, 0 corrupt" in text and "1 retired" in text
+    assert text.rstrip().endswith(": 2 committed, 1 retired")
 
     text = _ok(verify_bad, code=1)
     for step in (3, 4):
         assert any(line.startswith("CORRUPT") and step_folder(step) in line for line in text.splitlines())
-    assert "base.layer2.weight" in text and step_folder(1) in text and "0 ok, 2 corrupt" in text
+    assert "base.layer2.weight" in text and step_folder(1) in text and "0 committed, 2 corrupt" in text
 
     _ok(export)
     from safetensors.torch import load_file

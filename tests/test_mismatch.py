@@ -114,6 +114,12 @@ def test_error_is_a_key_error_and_lists_every_offending_key(ckpt):
     assert problem_keys(message) == OFFENDERS
     assert "strict=False" in message  # says what to do
     assert_unchanged(target, before)
+    # the same, as attributes: no handler needs to parse the message
+    assert set(exc.keys) == OFFENDERS and len(exc.problems) == len(exc.keys)
+    assert set(exc.missing) == {"new", "nested.deep.b"}
+    assert set(exc.unexpected) == {"gone", "lst.1"}
+    assert exc.shapes == {"shape": ((2, 3), tuple(SAVED["shape"].shape))}
+    assert exc.dtypes == {"dtype": (torch.float64, SAVED["dtype"].dtype)}
 
 
 @pytest.mark.parametrize("case, target, key, words", [

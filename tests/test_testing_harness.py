@@ -9,6 +9,7 @@ import time
 import warnings
 from pathlib import Path
 
+import expected_warnings
 import pytest
 import torch
 
@@ -52,7 +53,8 @@ def test_docs_examples_run():
     tests = [fn for name, fn in namespace.items() if name.startswith("test_")]
     assert len(tests) == 2
     for fn in tests:
-        fn()
+        with expected_warnings.only():  # a crash in the example may tear a newer manifest
+            fn()
 
 
 # -- crashes -------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from .checkpoint import CheckpointInfo, SaveRequest, gc_paused, save_request
+from .checkpoint import CheckpointInfo, SaveRequest, gc_paused, log_save, save_request
 from .group import resolve
 from .state import FlatState, Piece
 
@@ -125,8 +125,7 @@ class AsyncSaver:
             if on_done is not None:
                 on_done(info, future.blocked_seconds)
             else:
-                log.info("async save committed %s: %d bytes in %.3fs (%.2f GB/s), caller blocked %.3fs",
-                         info.path, info.bytes, info.seconds, info.gbps, future.blocked_seconds)
+                log_save(info, future.blocked_seconds)
         except BaseException as exc:  # delivered through the future, never dropped
             future.set_exception(exc)
             return

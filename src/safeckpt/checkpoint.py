@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import logging
 import os
 import secrets
 import time
@@ -32,6 +33,7 @@ from .storage import Storage
 from .storage import open as open_storage
 
 PathLike = Union[str, "os.PathLike[str]", Storage]  # a path, file:// or other storage URL, or a Storage
+log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -69,6 +71,15 @@ class VerifyReport:
 
     def __bool__(self) -> bool:
         return self.ok
+
+
+def log_save(info: "CheckpointInfo", blocked_seconds: float | None = None) -> None:
+    """Every committed save, whoever made it (save, async_save, the manager), on logger
+    ``safeckpt`` at INFO: step, bytes, seconds, GB/s, and for an async save the time
+    the caller was blocked."""
+    blocked = "" if blocked_seconds is None else f", caller blocked {blocked_seconds:.3f}s"
+    log.info("saved %s%d bytes in %.3fs (%.2f GB/s)%s to %s", "" if info.step is None else f"step {info.step}: ",
+             info.bytes, info.seconds, info.gbps, blocked, info.path)
 
 
 def new_save_id() -> str:
@@ -118,8 +129,8 @@ def read_committed(storage: Storage, listing: dict[str, int | None] | None = Non
         listing = storage.listdir()
     seqs = manifest_seqs(listing)
     if not seqs:
-        what = "the folder is empty or missing" if not listing else \
-            "it has no manifest (a save that never committed, or not a safeckpt checkpoint)"
+        what = ("it is a file, not a checkpoint folder" if _is_file(storage) else "the folder is empty or missing") \
+            if not listing else "it has no manifest (a save that never committed, or not a safeckpt checkpoint)"
         raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: {what}")
     problems = []
     for seq, name in seqs:
@@ -139,6 +150,15 @@ def read_committed(storage: Storage, listing: dict[str, int | None] | None = Non
                  SkippedCheckpointWarning)
         return m
     raise CorruptCheckpointError(f"no valid manifest in {storage.url}: " + "; ".join(problems))
+
+
+def _is_file(storage: Storage) -> bool:
+    """Whether the path names a file (``load_state("trainer.pt")``): its parent lists it
+    with a size. Asked only when the folder lists empty, on any backend."""
+    try:
+        return storage.parent().listdir().get(storage.url.rstrip("/").rpartition("/")[2]) is not None
+    except Exception:  # noqa: BLE001 - only to choose the words of an error
+        return False
 
 
 def gc_paused(fn: F) -> F:
@@ -238,7 +258,9 @@ def save(state: dict, path: PathLike, *, overwrite: bool = False, metadata: dict
     request = save_request(path, overwrite=overwrite, metadata=metadata, process_group=process_group,
                            storage_options=storage_options, allow_pickle=allow_pickle, step=step,
                            metrics=metrics)
-    return request.run(request.flattener(state), started)
+    info = request.run(request.flattener(state), started)
+    log_save(info)
+    return info
 
 
 def retire(storage: Storage, keep: Manifest | None, spare: "set[str] | frozenset[str]" = frozenset()) -> None:
@@ -315,7 +337,8 @@ def _only(tree: Any, keys: list, url: str) -> Any:
     saved = dict(codec.items_of(tree, "", False)) if codec.tag_of(tree) in ("object", "$dict") else {}
     missing = [k for k in keys if k not in saved]
     if missing:
-        raise StateMismatchError(f"the checkpoint at {url} holds no {missing}")
+        raise StateMismatchError(f"the checkpoint at {url} holds no {missing}", keys=missing, missing=missing,
+                                 problems=[f"{k}: missing from the checkpoint" for k in missing])
     return {"$dict": [[codec.encode_leaf_or_tuple(k, "", False), saved[k]] for k in keys]}
 
 
@@ -333,18 +356,21 @@ def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = Tru
     every rank."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, not {type(state).__name__}")
+    started = time.perf_counter()
     group = resolve(process_group)
     storage = open_storage(path, **(storage_options or {}))
     load_manifest(state, storage, _committed_for_group(storage, group), group, strict=strict, verify=verify,
-                  allow_pickle=allow_pickle, keys=keys)
+                  allow_pickle=allow_pickle, keys=keys, started=started)
 
 
 def load_manifest(state: dict, storage: Storage, manifest: Manifest, group: Any, *, strict: bool = True,
                   verify: bool = True, allow_pickle: bool = False, keys: "list | None" = None,
-                  before_read: "Callable[[set[str]], None] | None" = None) -> None:
+                  before_read: "Callable[[set[str]], None] | None" = None, started: float | None = None) -> None:
     """``load`` of a manifest every rank already holds; ``before_read`` (a collective
     when given: every rank calls it) gets the files this rank will read, before any
-    tensor is read (the node tier brings missing ones from a peer there)."""
+    tensor is read (the node tier brings missing ones from a peer there). ``started``:
+    when the load began, for its log line."""
+    started = time.perf_counter() if started is None else started
     planner = LoadPlanner(manifest.tensors, strict, allow_pickle, group.rank, group.size)
     error: BaseException | None = None
     try:
@@ -352,7 +378,7 @@ def load_manifest(state: dict, storage: Storage, manifest: Manifest, group: Any,
         build = planner.plan(state, tree)
         if planner.problems and strict:
             listing = "\n  ".join(planner.problems)
-            raise StateMismatchError(
+            raise planner.error(
                 f"the state does not match the checkpoint at {storage.url} ({len(planner.problems)} "
                 f"problem(s)):\n  {listing}\nfix the state, or pass strict=False to load what matches")
         planner.load_early()
@@ -370,6 +396,7 @@ def load_manifest(state: dict, storage: Storage, manifest: Manifest, group: Any,
     except CheckpointError as exc:
         error = exc
     _agree_or_undo(group, error, f"loading {storage.url}", planner)
+    _log_load(storage, planner, started)
 
 
 def files_read(reads: list) -> set[str]:
@@ -395,6 +422,7 @@ def load_state(path: PathLike, *, verify: bool = True, storage_options: dict | N
                allow_pickle: bool = False, keys: "list | None" = None) -> dict:
     """The saved state as a new nested dict of full CPU tensors and values (rank-local
     values come back as a list indexed by rank); ``keys``: only those top-level keys."""
+    started = time.perf_counter()
     storage = open_storage(path, **(storage_options or {}))
     manifest = read_committed(storage)
     planner = LoadPlanner(manifest.tensors, True, allow_pickle)
@@ -403,7 +431,15 @@ def load_state(path: PathLike, *, verify: bool = True, storage_options: dict | N
     if planner.problems:
         raise CorruptCheckpointError(f"{storage.url}: " + "; ".join(planner.problems))
     TensorReader(storage, manifest, verify).run(planner.reads)
+    _log_load(storage, planner, started)
     return build()
+
+
+def _log_load(storage: Storage, planner: LoadPlanner, started: float) -> None:
+    seconds = time.perf_counter() - started
+    nbytes = sum(t.nbytes for r in planner.reads if (t := r.dest if r.dest is not None else r.result) is not None)
+    log.info("loaded %s: %d tensor(s), %d bytes in %.3fs (%.2f GB/s)", storage.url, len(planner.reads), nbytes,
+             seconds, nbytes / seconds / 1e9 if seconds > 0 else 0.0)
 
 
 @gc_paused

@@ -29,7 +29,23 @@ class UnsupportedFormatError(CorruptCheckpointError):
 
 
 class StateMismatchError(CheckpointError, KeyError):
-    """The state to load into does not match the checkpoint (keys, shapes, dtypes)."""
+    """The state to load into does not match the checkpoint (keys, shapes, dtypes).
+
+    ``problems`` has one line per problem (``"key: what"``) and ``keys`` the key of each;
+    ``missing`` lists keys of the state the checkpoint lacks, ``unexpected`` keys of the
+    checkpoint the state lacks, ``shapes`` and ``dtypes`` map a key to (the state's,
+    the checkpoint's). A handler can thus decide from the keys, never from the text."""
+
+    def __init__(self, message: str = "", *, problems: list[str] | None = None, keys: list[str] | None = None,
+                 missing: list[str] | None = None, unexpected: list[str] | None = None,
+                 shapes: dict | None = None, dtypes: dict | None = None) -> None:
+        super().__init__(message)
+        self.problems = list(problems or [])
+        self.keys = list(keys or [])
+        self.missing = list(missing or [])
+        self.unexpected = list(unexpected or [])
+        self.shapes = dict(shapes or {})
+        self.dtypes = dict(dtypes or {})
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""

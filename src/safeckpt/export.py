@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import mmap
 import os
 import pickle
@@ -32,14 +33,14 @@ import struct
 import secrets
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, cast
 
 import torch
 
 from .errors import CleanupWarning, warn
 from . import codec as _codec
-from . import torchzip
+from . import hflayout, torchzip
 from .checkpoint import CheckpointInfo, read_committed
 from .checkpoint import save as safeckpt_save
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
@@ -51,6 +52,8 @@ from .state import Read
 from .storage import Storage, is_remote
 from .storage import open as open_storage
 from .tensors import SAFETENSORS_DTYPES, byte_view, dtype_from_name, is_shape, nbytes_of
+
+log = logging.getLogger("safeckpt")
 
 __all__ = ["ExportError", "ExportResult", "ExportedFile", "export_checkpoint", "import_checkpoint",
            "detect_format", "read_foreign", "plain_values", "read_safetensors", "parse_size", "plan_shards",
@@ -181,10 +184,13 @@ class ExportResult:
     tensors: int
     bytes: int
     skipped_values: int = 0
+    tied: dict[str, str] = field(default_factory=dict)  # exported name left out -> the tied name kept
+    config: str | None = None  # config.json, when the checkpoint carries the model's config
 
     @property
     def paths(self) -> list[str]:
-        return [f"{self.folder}/{f.name}" for f in self.files] + ([f"{self.folder}/{self.index}"] if self.index else [])
+        return ([f"{self.folder}/{f.name}" for f in self.files] + ([f"{self.folder}/{self.config}"] if self.config
+                else []) + ([f"{self.folder}/{self.index}"] if self.index else []))
 
 
 @dataclass
@@ -352,13 +358,15 @@ def export_checkpoint(ckpt: "str | os.PathLike[str] | Storage", out: "str | os.P
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     source = open_storage(ckpt, **_options_for(ckpt, storage_options))
     manifest = read_committed(source)
-    names = [n for n in manifest.tensors if not select or n.startswith(select)]
+    selected = [n for n in manifest.tensors if not select or n.startswith(select)]
+    ties = hflayout.tied(manifest, selected)  # written once, as save_pretrained does
+    names = [n for n in selected if n not in ties]
     if not names:
         what = f"starts with {select!r}" if select else "exists"
         sample = ", ".join(list(manifest.tensors)[:5]) or "none"
         raise ExportError(f"no tensor in {source.url} {what} (tensors: {sample}"
                           f"{', ...' if len(manifest.tensors) > 5 else ''})")
-    out_names = {n: n[len(select):] if strip_prefix and select else n for n in names}
+    out_names = {n: n[len(select):] if strip_prefix and select else n for n in selected}
     for n, o in out_names.items():
         if not o:
             raise ExportError(f"--strip-prefix would leave tensor {n!r} without a name")
@@ -376,8 +384,11 @@ def export_checkpoint(ckpt: "str | os.PathLike[str] | Storage", out: "str | os.P
         file_names = [f"{target.shard_stem}-{i:05d}-of-{len(groups):05d}{target.shard_suffix}"
                       for i in range(1, len(groups) + 1)]
     index = f"{target.shard_stem}{target.shard_suffix}.index.json" if len(groups) > 1 else None
+    config = hflayout.config_json(manifest) if target.single_name is None else None  # a folder: HF's layout
+    config_name = hflayout.CONFIG_FILE if config is not None else None
     staged = storage.can_rename and not storage.atomic_write
-    stale = _clear(storage, file_names + ([index] if index else []), target, overwrite, now=not staged)
+    stale = _clear(storage, file_names + [n for n in (config_name, index) if n], target, overwrite,
+                   now=not staged)
     size_of = dict(sizes)
 
     def tensors_of(group: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -396,13 +407,18 @@ def export_checkpoint(ckpt: "str | os.PathLike[str] | Storage", out: "str | os.P
             else:
                 size = output.write(file_name, [_torch_bytes(tensors_of(group), out_names)])
             written.append(ExportedFile(file_name, size, len(group)))
+        if config is not None:
+            output.write(hflayout.CONFIG_FILE, [config])
         if index is not None:  # written last: a complete index means complete shards
             weight_map = {out_names[n]: f.name for group, f in zip(groups, written) for n in group}
             body = {"metadata": {"total_size": total}, "weight_map": weight_map}
             output.write(index, [json.dumps(body, indent=2).encode() + b"\n"])
         output.publish(index)
+    for f in written:  # once in place: a failed export never claims a file
+        log.info("exported %s/%s: %d tensor(s), %d bytes", storage.url, f.name, f.tensors, f.bytes)
     skipped = sum(1 for k in plain_values(manifest.tree) if not select or k.startswith(select))
-    return ExportResult(storage.url, written, index, len(names), total, skipped)
+    return ExportResult(storage.url, written, index, len(names), total, skipped,
+                        {out_names[a]: out_names[k] for a, k in ties.items()}, config_name)
 
 
 def plain_values(tree: Any) -> dict[str, Any]:

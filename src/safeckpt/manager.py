@@ -18,7 +18,8 @@ from typing import Any
 from .errors import CleanupWarning, ForeignRunWarning, SkippedCheckpointWarning, warn
 from . import garbage
 from .asyncsave import AsyncSaver, SaveFuture, background_group
-from .checkpoint import CheckpointInfo, load, read_committed, retire, save_request
+from .checkpoint import CheckpointInfo, load, log_save, retire, save_request
+from .folderstate import COMMITTED, CORRUPT, NEWER_FORMAT, RETIRED, folder_state
 from .incremental import CHUNK_SIZE, MIN_CHUNK_SIZE
 from .tiered import Replicator, tier_candidates
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
@@ -149,28 +150,15 @@ class CheckpointManager:
         return sorted(found)
 
     def _read(self, step: int, root: Storage | None = None) -> tuple[str, Manifest | str]:
-        """("ok", manifest), ("incomplete", why) when no manifest exists (a save that
-        never committed), ("damaged", why) when a manifest exists but is not valid, or
-        ("newer", why) when a newer safeckpt wrote it, ("retired", why) when retention
-        deleted it but it still holds data that later checkpoints share."""
-        folder = (root or self.save_root).child(step_folder(step))
-        listing = folder.listdir()
-        try:
-            return "ok", read_committed(folder, listing)
-        except UnsupportedFormatError as exc:
-            return "newer", str(exc)  # listed as not ours; restore refuses to skip it
-        except CheckpointNotFoundError as exc:
-            if garbage.RETIRED in listing:
-                return "retired", "deleted by retention; holds data later checkpoints share"
-            return "incomplete", str(exc)
-        except CorruptCheckpointError as exc:
-            return "damaged", str(exc)
+        """The folder state of ``step`` (``folderstate``): ``(COMMITTED, manifest)`` or
+        ``(state, why)``."""
+        return folder_state((root or self.save_root).child(step_folder(step)))
 
     def _committed(self, root: Storage | None = None) -> dict[int, Manifest]:
         out = {}
         for step in self._step_folders(root):
             status, m = self._read(step, root)
-            if status == "ok":
+            if status == COMMITTED:
                 out[step] = m
         return out
 
@@ -181,13 +169,13 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         """The newest committed step in any tier, or None."""
         def newest(root: Storage) -> int | None:
-            return next((s for s in reversed(self._step_folders(root)) if self._read(s, root)[0] == "ok"), None)
+            return next((s for s in reversed(self._step_folders(root)) if self._read(s, root)[0] == COMMITTED), None)
         return self._on_rank0(lambda: max((s for t in self.tiers if (s := newest(t)) is not None), default=None))
 
     def path(self, step: int) -> str:
         """Where the checkpoint of ``step`` lives (the local tier's copy when it has one)."""
         def where() -> str:
-            root = next((t for t in self.tiers if self._read(step, t)[0] == "ok"), self.save_root)
+            root = next((t for t in self.tiers if self._read(step, t)[0] == COMMITTED), self.save_root)
             return root.child(step_folder(step)).url
         return self._on_rank0(where) if len(self.tiers) > 1 else self.save_root.child(step_folder(step)).url
 
@@ -244,9 +232,7 @@ class CheckpointManager:
             _quietly(folder.remove_folder)
 
     def _after_save(self, info: CheckpointInfo, blocked_seconds: float | None = None) -> None:
-        blocked = "" if blocked_seconds is None else f", caller blocked {blocked_seconds:.3f}s"
-        log.info("saved step %s: %d bytes in %.3fs (%.2f GB/s)%s to %s",
-                 info.step, info.bytes, info.seconds, info.gbps, blocked, info.path)
+        log_save(info, blocked_seconds)
         if self.group.rank != 0 or self._nodes:  # the node tier retains behind its uploads
             return
         retention = self.retention if self._replicator is None else self.local_retention
@@ -269,7 +255,7 @@ class CheckpointManager:
         """Rank 0: the newest committed checkpoint of this run, whose chunks a save shares."""
         for s in reversed(self._step_folders(self.save_root)):
             status, m = self._read(s, self.save_root) if s != step else ("", None)
-            if status == "ok" and isinstance(m, Manifest) and m.run_id == self.run_id:
+            if status == COMMITTED and isinstance(m, Manifest) and m.run_id == self.run_id:
                 return step_folder(s), m
         return None
 
@@ -364,13 +350,13 @@ class CheckpointManager:
             root = self.tiers[tier]
             first_of_tier = tier not in newest_seen
             newest_seen.add(tier)
-            if status == "newer":  # resuming from an older step instead would lose work
+            if status == NEWER_FORMAT:  # resuming from an older step instead would lose work
                 raise UnsupportedFormatError(detail)
-            if status == "retired":
+            if status == RETIRED:
                 continue
-            if status != "ok":
+            if status != COMMITTED:
                 # a crash can leave only the newest save torn; older damage is corruption
-                failed = failed or (status == "damaged" and (not first_of_tier or step is not None))
+                failed = failed or (status == CORRUPT and (not first_of_tier or step is not None))
                 skipped.append(f"step {candidate} in {root.url}: not committed ({detail})")
                 self._damaged.add(candidate)
                 continue
@@ -387,7 +373,7 @@ class CheckpointManager:
             log.info("restored step %d from %s", candidate, root.url)
             self.run_id = detail or self.run_id
             if tier == 0 and self._replicator is not None and self.group.rank == 0 \
-                    and self._read(candidate, self.storage)[0] != "ok":
+                    and self._read(candidate, self.storage)[0] != COMMITTED:
                 self._replicator.submit(step_folder(candidate))  # a copy the last job did not finish
             return candidate
         if failed:

@@ -171,7 +171,12 @@ class LoadPlanner:
         self.rank = rank
         self.world_size = world_size
         self.reads: list[Read] = []
-        self.problems: list[str] = []
+        self.problems: list[str] = []  # one line per problem, "key: what"
+        self.keys: list[str] = []      # the key of each problem, in the same order
+        self.missing: list[str] = []   # keys in the state the checkpoint lacks
+        self.unexpected: list[str] = []  # keys in the checkpoint the state lacks
+        self.shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # key -> (state, checkpoint)
+        self.dtypes: dict[str, tuple[torch.dtype, torch.dtype]] = {}          # key -> (state, checkpoint)
         self.early: list[tuple[Any, Thunk, str]] = []  # objects loaded before any tensor is read
         self._loaded: list[tuple[Any, Any]] = []  # (object, its state before) for undo()
 
@@ -192,7 +197,7 @@ class LoadPlanner:
             return lambda: target  # a ShardedTensor with no shard on this rank: nothing to read
         if tag == "$tensor":
             if isinstance(target, (dict, list, tuple)):
-                self.problems.append(f"{key or '<root>'}: the state has a {type(target).__name__}, the checkpoint a tensor")
+                self._report(key, f"the state has a {type(target).__name__}, the checkpoint a tensor")
                 return lambda: target
             return self._fresh_tensor(node, key)
         if tag in ("$set", "$frozenset"):
@@ -200,7 +205,7 @@ class LoadPlanner:
             return lambda: value
         if tag is None:
             if isinstance(target, (dict, list, tuple)):
-                self.problems.append(f"{key or '<root>'}: the state has a {type(target).__name__}, the checkpoint a plain value")
+                self._report(key, f"the state has a {type(target).__name__}, the checkpoint a plain value")
                 return lambda: target
             value = codec.decode_leaf(node, key, self.allow_pickle)
             return lambda: value
@@ -208,19 +213,27 @@ class LoadPlanner:
             return self._plan_container_into(target, node, key, tag)
         return self._plan_container_fresh(target, node, key, tag)
 
+    def _report(self, key: str, what: str) -> None:
+        self.keys.append(key or "<root>")
+        self.problems.append(f"{key or '<root>'}: {what}")
+
+    def error(self, message: str) -> "StateMismatchError":
+        """The mismatch as a ``StateMismatchError`` carrying every offending key."""
+        return StateMismatchError(message, problems=self.problems, keys=self.keys, missing=self.missing,
+                                  unexpected=self.unexpected, shapes=self.shapes, dtypes=self.dtypes)
+
     def _plan_local(self, target: Any, node: Any, key: str, mode: str) -> Thunk:
         inner_target = target.value if isinstance(target, RankLocal) else target
         if codec.tag_of(node) != "$local":
-            self.problems.append(f"{key}: rank-local in the state, but saved as a shared value")
+            self._report(key, "rank-local in the state, but saved as a shared value")
             return lambda: target
         per_rank = node["$local"]
         if target is None and self.world_size == 1:  # load_state: every rank's value, by rank
             thunks = [self.plan(None, n, key, "object") for n in per_rank]
             return lambda: [th() for th in thunks]
         if len(per_rank) != self.world_size:
-            self.problems.append(
-                f"{key}: rank-local value saved by {len(per_rank)} ranks cannot be restored on "
-                f"{self.world_size}; pass strict=False to keep the current value")
+            self._report(key, f"rank-local value saved by {len(per_rank)} ranks cannot be restored on "
+                              f"{self.world_size}; pass strict=False to keep the current value")
             return lambda: target
         inner = self.plan(inner_target, per_rank[self.rank], key, mode)
         if not isinstance(target, RankLocal):
@@ -234,7 +247,7 @@ class LoadPlanner:
     def _entry(self, node: dict, key: str) -> TensorEntry | None:
         entry = self.tensors.get(node["$tensor"])
         if entry is None:
-            self.problems.append(f"{key}: the checkpoint's tree names tensor {node['$tensor']!r} but has no data for it")
+            self._report(key, f"the checkpoint's tree names tensor {node['$tensor']!r} but has no data for it")
         return entry
 
     def _fresh_tensor(self, node: dict, key: str) -> Thunk:
@@ -248,7 +261,7 @@ class LoadPlanner:
     def _plan_tensor_into(self, target: Any, boxed: tuple, node: Any, key: str, mode: str) -> Thunk:
         local, global_shape, box = boxed
         if codec.tag_of(node) != "$tensor":
-            self.problems.append(f"{key}: the state has a tensor, the checkpoint a {describe(node)}")
+            self._report(key, f"the state has a tensor, the checkpoint a {describe(node)}")
             return lambda: target
         entry = self._entry(node, key)
         if entry is None:
@@ -259,21 +272,26 @@ class LoadPlanner:
             return lambda: target
         if mode == "object" and isinstance(target, torch.Tensor):
             return self._fresh_tensor(node, key)  # the checkpoint's tensor replaces the object's
-        self.problems.append(f"{key}: the state has {tuple(global_shape)} {local.dtype}, "
-                             f"the checkpoint {tuple(entry.shape)} {dtype}")
+        if tuple(global_shape) != tuple(entry.shape):
+            self.shapes[key] = (tuple(global_shape), tuple(entry.shape))
+        if local.dtype != dtype:
+            self.dtypes[key] = (local.dtype, dtype)
+        self._report(key, f"the state has {tuple(global_shape)} {local.dtype}, the checkpoint {tuple(entry.shape)} {dtype}")
         return lambda: target
 
     def _plan_container_into(self, target: dict | list | tuple, node: Any, key: str, tag: str) -> Thunk:
         if (tag in ("object", "$dict", "$odict")) != isinstance(target, dict):
-            self.problems.append(f"{key or '<root>'}: the state has a {type(target).__name__}, the checkpoint a {describe(node)}")
+            self._report(key, f"the state has a {type(target).__name__}, the checkpoint a {describe(node)}")
             return lambda: target
         saved = dict(codec.items_of(node, key, self.allow_pickle))
         current = dict(target.items()) if isinstance(target, dict) else dict(enumerate(target))
         children = {k: self.plan(current[k], saved[k], codec.child_key(key, k)) for k in current if k in saved}
         for k in (k for k in current if k not in saved):
-            self.problems.append(f"{codec.child_key(key, k)}: missing from the checkpoint")
+            self.missing.append(codec.child_key(key, k))
+            self._report(codec.child_key(key, k), "missing from the checkpoint")
         for k in (k for k in saved if k not in current):
-            self.problems.append(f"{codec.child_key(key, k)}: in the checkpoint but not in the state")
+            self.unexpected.append(codec.child_key(key, k))
+            self._report(codec.child_key(key, k), "in the checkpoint but not in the state")
 
         def build() -> Any:
             values = {k: th() for k, th in children.items()}
@@ -301,7 +319,7 @@ class LoadPlanner:
         if isinstance(target, torch.optim.Optimizer):
             problem = _param_groups_problem(current, node, key, self.allow_pickle)
             if problem:
-                self.problems.append(problem)
+                self._report(key, problem.removeprefix(f"{key}: "))
                 return lambda: target
             self._shape_like_params(target, current, node, key)
         reads = len(self.reads)

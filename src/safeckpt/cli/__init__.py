@@ -10,6 +10,7 @@ the traceback instead. See docs/cli.md.
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
 
@@ -57,12 +58,33 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
           file=sys.stderr)
 
 
+class _InfoLines(logging.Handler):
+    """Off a terminal (a job's log, a pipe) there is no progress bar: what safeckpt logs
+    at INFO (each save, each exported file) is one ``safeckpt: ...`` line on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"safeckpt: {record.getMessage()}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 findings, 2 errors)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if "--debug" in args:
         set_debug(True)
     warnings.showwarning = _show_warning
+    logger, handler = logging.getLogger("safeckpt"), _InfoLines(logging.INFO)
+    level = logger.level
+    if not sys.stderr.isatty():
+        logger.addHandler(handler)
+        logger.setLevel(min(level or logging.INFO, logging.INFO))
+    try:
+        return _run(args)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _run(args: list[str]) -> int:
     try:
         status = cli.main(args=args, prog_name="safeckpt", standalone_mode=False)
         return status if isinstance(status, int) else 0
@@ -76,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"safeckpt: error: {_one_line(exc.format_message())}", file=sys.stderr)
         return exc.exit_code
+    except click.exceptions.NoArgsIsHelpError as exc:  # bare `safeckpt`: the help, as --help prints it
+        click.echo(exc.ctx.get_help())
+        return 0
     except click.UsageError as exc:
         command = exc.ctx.command_path if exc.ctx is not None else "safeckpt"
         print(f"safeckpt: error: {_one_line(exc.format_message()).rstrip('.')} (see '{command} --help')",

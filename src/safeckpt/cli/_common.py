@@ -3,21 +3,23 @@ things a command is pointed at (a checkpoint, or a run root of ``step-*`` folder
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import click
 
 from .. import codec
+from ..checkpoint import read_committed
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsafeObjectError
 from ..manifest import STEP_RE
 from ..manifest import manifest_seq
-from ..storage import Storage
+from ..storage import Storage, StorageWrapper
 from ..storage import open as open_storage
 
 ENV_OPTIONS = "SAFECKPT_STORAGE_OPTIONS"
@@ -155,6 +157,34 @@ def progress_console() -> Any:
     return Console(file=sys.stderr, markup=False, highlight=False, emoji=False)
 
 
+@contextlib.contextmanager
+def progress_bar(what: str) -> Iterator[Callable[[int], None]]:
+    """A bytes-done bar on stderr while a long command runs, only on a terminal (off one,
+    the INFO log lines say what happened); yields ``advance(nbytes)``."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    err = progress_console()
+    with Progress(TextColumn(what), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  console=err, transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task(what, total=None)
+        yield lambda n: progress.advance(task, n)
+
+
+class CountingWrites(StorageWrapper):
+    """A storage that reports every byte written (for a progress bar)."""
+
+    def __init__(self, inner: Storage, advance: Callable[[int], None]) -> None:
+        super().__init__(inner)
+        self.advance = advance
+
+    def write_file(self, name: str, parts: Iterable[Any]) -> int:
+        def counted() -> Iterator[Any]:
+            for part in parts:
+                yield part
+                self.advance(memoryview(part).nbytes)
+        return self.inner.write_file(name, counted())
+
+
 def table(*columns: str, right: tuple[str, ...] = (), title: str | None = None):
     """A plain table (copy-pastes cleanly)."""
     from rich import box
@@ -196,6 +226,21 @@ def when(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     return _dt.datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def iso_time(seconds: float) -> str:
+    """A manifest's creation time in ``--json``: ISO 8601, UTC."""
+    return _dt.datetime.fromtimestamp(seconds, _dt.timezone.utc).isoformat()
+
+
+def count_states(states: Any) -> str:
+    """``3 committed, 1 torn``: how many folders are in each state, in the states' order
+    (committed always shown)."""
+    from ..folderstate import COMMITTED, STATES
+
+    found = list(states)
+    return ", ".join(f"{found.count(s)} {s.replace('_', ' ')}" for s in STATES
+                     if s == COMMITTED or s in found)
 
 
 def compact(value: Any, limit: int = 80) -> str:
@@ -263,9 +308,7 @@ def locate(path: str, options: dict[str, Any]) -> Place:
     if steps:
         return Place(storage, "root", steps)
     if not listing:
-        if not is_url(path) and os.path.isfile(path.removeprefix("file://")):
-            raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: it is a file, not a checkpoint folder")
-        raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: the folder is empty or missing")
+        read_committed(storage, listing)  # raises, saying whether it is a file or nothing
     raise CheckpointNotFoundError(
         f"no checkpoint at {storage.url}: it has no manifest and no step-NNNNNNNNN folders "
         "(not a safeckpt checkpoint or run root, or a save that never committed)")

@@ -11,11 +11,12 @@ from typing import Any, Callable
 import click
 
 from .. import garbage
-from ..checkpoint import read_committed
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointError
+from ..folderstate import COMMITTED, CORRUPT, EMPTY, LABEL, NEWER_FORMAT, RETIRED, TORN, folder_state
+from ..manifest import Manifest
 from ..reader import TensorReader
 from ..storage import Storage, StorageWrapper
-from ._common import (console, human_bytes, locate, print_json, progress_console, say, storage_option_flag,
+from ._common import (console, count_states, human_bytes, locate, print_json, progress_console, say, storage_option_flag,
                       storage_options, table, text)
 
 
@@ -36,14 +37,16 @@ class Checked:
     """The verdict on one checkpoint folder."""
 
     path: str
-    status: str = "ok"          # ok, corrupt, incomplete, retired
+    step: int | None = None
+    status: str = COMMITTED     # a folderstate state; CORRUPT also when data fails its checksums
     problems: list[str] = field(default_factory=list)
-    files: int = 0
-    bytes: int = 0              # bytes of the files found sound
+    file_count: int = 0
+    bytes: int = 0              # bytes of the folder's own files (as in ls)
+    bytes_read: int = 0         # bytes read and checked: its own files and the data it shares
 
     def as_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "status": self.status, "problems": self.problems, "files": self.files,
-                "bytes_checked": self.bytes}
+        return {"path": self.path, "step": self.step, "status": self.status, "problems": self.problems,
+                "file_count": self.file_count, "bytes": self.bytes, "bytes_read": self.bytes_read}
 
 
 def _targets(paths: tuple[str, ...], options: dict) -> list[Storage]:
@@ -61,16 +64,13 @@ def verify_all(storages: list[Storage], jobs: int, progress: Any = None) -> list
     results = [Checked(s.url) for s in storages]
     work: list[tuple[Checked, Storage, Any, str, int]] = []
     for result, storage in zip(results, storages):
-        try:
-            manifest = read_committed(storage)
-        except CheckpointNotFoundError as exc:
-            retired = garbage.RETIRED in storage.listdir()
-            result.status, result.problems = ("retired", []) if retired else ("incomplete", [str(exc)])
+        result.status, manifest = folder_state(storage)
+        if not isinstance(manifest, Manifest):
+            result.problems = [] if result.status == RETIRED else [manifest]
+            result.bytes = sum(size for size in storage.listdir().values() if size is not None)
             continue
-        except CorruptCheckpointError as exc:
-            result.status, result.problems = "corrupt", [str(exc)]
-            continue
-        result.files = len(manifest.files)
+        result.step, result.file_count, result.bytes = manifest.step, len(manifest.files), manifest.total_bytes
+        result.bytes_read = sum(f.size for f in manifest.files.values())
         work += [(result, storage, manifest, name, f.size) for name, f in manifest.files.items()]
     total = sum(w[4] for w in work)
     task = progress.add_task("verifying", total=total) if progress is not None else None
@@ -93,10 +93,8 @@ def verify_all(storages: list[Storage], jobs: int, progress: Any = None) -> list
             result, size = futures[future]
             problems = future.result()
             if problems:
-                result.status = "corrupt"
+                result.status = CORRUPT
                 result.problems += problems
-            else:
-                result.bytes += size
     return results
 
 
@@ -111,8 +109,9 @@ def verify_command(paths: tuple[str, ...], jobs: int, as_json: bool, storage_opt
 
     PATH is a checkpoint folder or a run root (then every step folder is checked).
     Exits 0 when all are sound, 1 when any problem is found (each printed with its file
-    and tensor). A step folder without a manifest (an interrupted save) is reported but
-    is not a failure."""
+    and tensor) or a checkpoint is of a newer format (this safeckpt cannot check it). A
+    torn save (a step folder without a manifest), an empty or a retired folder is
+    reported but is not a failure."""
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                TransferSpeedColumn)
 
@@ -128,22 +127,23 @@ def verify_command(paths: tuple[str, ...], jobs: int, as_json: bool, storage_opt
     else:
         out = console()
         for r in results:
-            if r.status == "ok":
-                say(out, f"ok          {r.path}  ({r.files} file(s), {human_bytes(r.bytes)})")
-            elif r.status == "incomplete":
-                say(out, f"incomplete  {r.path}  (no manifest: a save that never committed; "
-                               "'safeckpt gc' removes its files)")
-            elif r.status == "retired":
-                say(out, f"retired     {r.path}  (deleted by retention; keeps data newer checkpoints share)")
+            label = LABEL[r.status].split(" (")[0].ljust(14)
+            if r.status == COMMITTED:
+                say(out, f"{label}{r.path}  ({r.file_count} file(s), {human_bytes(r.bytes_read)}, every checksum matches)")
             else:
-                say(out, f"CORRUPT     {r.path}")
-                for p in r.problems:
+                say(out, f"{label}{r.path}  ({_WHY[r.status]})")
+                for p in r.problems if r.status in (CORRUPT, NEWER_FORMAT) else []:
                     say(out, f"  - {p}")
-        counts = {s: sum(r.status == s for r in results) for s in ("ok", "corrupt", "incomplete", "retired")}
-        say(out, f"checked {len(results)} checkpoint(s), {human_bytes(sum(r.bytes for r in results))} "
-                       f"in {seconds:.1f}s: {counts['ok']} ok, {counts['corrupt']} corrupt"
-                       + "".join(f", {counts[s]} {s}" for s in ("incomplete", "retired") if counts[s]))
-    return 1 if any(r.status == "corrupt" for r in results) else 0
+        say(out, f"checked {len(results)} checkpoint folder(s), {human_bytes(sum(r.bytes_read for r in results))} "
+                 f"read in {seconds:.1f}s: {count_states(r.status for r in results)}")
+    return 1 if any(r.status in (CORRUPT, NEWER_FORMAT) for r in results) else 0
+
+
+_WHY = {TORN: "no manifest: a save that never committed; 'safeckpt gc' removes its files",
+        EMPTY: "nothing in it",
+        RETIRED: "deleted by retention; keeps data newer checkpoints share",
+        CORRUPT: "problems below",
+        NEWER_FORMAT: "written by a newer safeckpt: this one cannot check it"}
 
 
 def _sizes(root: Storage, names: list[str], single: bool) -> dict[str, int]:
@@ -165,8 +165,9 @@ def _sizes(root: Storage, names: list[str], single: bool) -> dict[str, int]:
 @click.option("--dry-run", is_flag=True, help="only list what would be removed")
 @click.option("--min-age", type=click.FloatRange(min=0), default=3600, show_default=True, metavar="SECONDS",
               help="spare saves younger than this (a live job may still be writing them); 0 spares none")
+@click.option("--json", "as_json", is_flag=True, help="print what was (or would be) removed as JSON")
 @storage_option_flag
-def gc_command(root: str, dry_run: bool, min_age: float, storage_option: tuple[str, ...]) -> int:
+def gc_command(root: str, dry_run: bool, min_age: float, as_json: bool, storage_option: tuple[str, ...]) -> int:
     """Remove what interrupted saves left behind: data files no committed checkpoint
     needs and manifests that lost, in the step folders of ROOT (or in one checkpoint
     folder). Never a committed checkpoint, never a file safeckpt did not write, never a
@@ -189,8 +190,13 @@ def gc_command(root: str, dry_run: bool, min_age: float, storage_option: tuple[s
             doomed = garbage.collect(storage, min_age_s=min_age, dry_run=False)
     if not dry_run and hasattr(storage, "abort_stale_uploads"):
         aborted = storage.abort_stale_uploads(older_than=min_age)
-    out = console()
     total = sum(sizes.get(n, 0) for n in doomed)
+    if as_json:
+        print_json({"path": storage.url, "dry_run": dry_run, "files": [{"name": n, "bytes": sizes.get(n, 0)}
+                                                                      for n in doomed],
+                    "bytes": total, "aborted_uploads": aborted})
+        return 0
+    out = console()
     if not doomed:
         say(out, f"nothing to remove in {storage.url}"
                        + (f" (saves younger than {min_age:g}s are spared; see --min-age)" if min_age else ""))

@@ -7,8 +7,9 @@ import click
 
 from ..errors import CheckpointExistsError
 from ..export import FORMATS, export_checkpoint, import_checkpoint
-from ._common import (CliError, _value, console, human_bytes, locate, options_for, progress_console, say,
-                      storage_option_flag, storage_options, table, text)
+from ..storage import open as open_storage
+from ._common import (CliError, CountingWrites, _value, console, human_bytes, locate, options_for, print_json,
+                      progress_bar, say, storage_option_flag, storage_options, table, text)
 
 
 @click.command("export", short_help="Consolidate a checkpoint into safetensors or torch files.")
@@ -23,9 +24,11 @@ from ._common import (CliError, _value, console, human_bytes, locate, options_fo
 @click.option("--strip-prefix", is_flag=True, help="remove the --select PREFIX from the exported names")
 @click.option("--overwrite", is_flag=True, help="replace existing output files")
 @click.option("--no-verify", is_flag=True, help="skip checking the checksums of what is read")
+@click.option("--json", "as_json", is_flag=True, help="print what was written as JSON")
 @storage_option_flag
 def export_command(ckpt: str, out: str, fmt: str, max_shard_size: str | None, select: str | None,
-                   strip_prefix: bool, overwrite: bool, no_verify: bool, storage_option: tuple[str, ...]) -> int:
+                   strip_prefix: bool, overwrite: bool, no_verify: bool, as_json: bool,
+                   storage_option: tuple[str, ...]) -> int:
     """Consolidate a (sharded) checkpoint into standard files that other tools load.
 
     OUT ending in .safetensors (or .pt/.bin for --format torch) is one file; anything
@@ -34,33 +37,42 @@ def export_command(ckpt: str, out: str, fmt: str, max_shard_size: str | None, se
     chunks a batch at a time and streamed out: safetensors output never holds the
     whole model in memory, torch output holds one output file (use --max-shard-size
     for large models). Non-tensor values are not exported."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-
     options = storage_options(storage_option)
     place = locate(ckpt, options)
     if place.kind == "root":
         raise CliError(f"{place.storage.url} is a run root, not one checkpoint; export one of its "
                        f"checkpoints, e.g. {place.storage.child(place.steps[-1][1]).url}")
-    err = progress_console()
-    with Progress(TextColumn("exporting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  console=err, transient=True, disable=not err.is_terminal) as progress:
-        task = progress.add_task("export", total=None)
+    with progress_bar("exporting") as advance:
         result = export_checkpoint(place.storage, out, format=fmt, max_shard_size=max_shard_size,
                                    select=select, strip_prefix=strip_prefix,
                                    out_storage_options=options_for(out, options),
                                    overwrite=overwrite, verify=not no_verify,
-                                   on_tensor=lambda name, n: progress.advance(task, n))
+                                   on_tensor=lambda name, n: advance(n))
+    if as_json:
+        print_json({"path": result.folder, "format": fmt,
+                    "files": [{"name": f.name, "bytes": f.bytes, "tensor_count": f.tensors} for f in result.files],
+                    "index": result.index, "config": result.config, "tensor_count": result.tensors,
+                    "bytes": result.bytes, "tied": result.tied, "values_left_out": result.skipped_values})
+        return 0
     o = console()
     t = table("file", "tensors", "size", right=("tensors", "size"))
     for f in result.files:
         t.add_row(text(f"{result.folder}/{f.name}"), text(f.tensors), text(human_bytes(f.bytes)))
+    if result.config:
+        t.add_row(text(f"{result.folder}/{result.config}"), text("-"), text("config"))
     if result.index:
         t.add_row(text(f"{result.folder}/{result.index}"), text("-"), text("index"))
     o.print(t)
     say(o, f"exported {result.tensors} tensor(s), {human_bytes(result.bytes)} of data, "
                  f"as {len(result.files)} {fmt} file(s)"
+                 + (f"; {len(result.tied)} tied tensor(s) written once ({_tied(result.tied)})" if result.tied else "")
                  + (f"; {result.skipped_values} non-tensor value(s) left out" if result.skipped_values else ""))
     return 0
+
+
+def _tied(ties: dict[str, str]) -> str:
+    shown = [f"{alias} = {kept}" for alias, kept in list(ties.items())[:3]]
+    return ", ".join(shown) + (", ..." if len(ties) > 3 else "")
 
 
 def _metadata(pairs: tuple[str, ...]) -> dict:
@@ -83,9 +95,10 @@ def _metadata(pairs: tuple[str, ...]) -> dict:
                                               "become model.<name>)")
 @click.option("--metadata", "metadata", multiple=True, metavar="KEY=VALUE", help="metadata to record (repeatable)")
 @click.option("--overwrite", is_flag=True, help="replace a checkpoint already committed at DEST")
+@click.option("--json", "as_json", is_flag=True, help="print the imported checkpoint as JSON")
 @storage_option_flag
 def import_command(src: str, dest: str, fmt: str, under: str | None, metadata: tuple[str, ...],
-                   overwrite: bool, storage_option: tuple[str, ...]) -> int:
+                   overwrite: bool, as_json: bool, storage_option: tuple[str, ...]) -> int:
     """Bring a checkpoint of another tool in as a safeckpt checkpoint at DEST.
 
     SRC is a torch.save file (read with weights_only=True: nothing in it can run), a
@@ -93,13 +106,19 @@ def import_command(src: str, dest: str, fmt: str, under: str | None, metadata: t
     shards, or one model.safetensors / pytorch_model.bin), or a
     torch.distributed.checkpoint folder; local or a URL."""
     options = storage_options(storage_option)
+    target = open_storage(dest, **options_for(dest, options))
     try:
-        info, detected = import_checkpoint(src, dest, format=None if fmt == "auto" else fmt, under=under,
-                                           overwrite=overwrite, metadata=_metadata(metadata),
-                                           storage_options=options_for(dest, options),
-                                           src_storage_options=options_for(src, options))
+        with progress_bar("importing") as advance:
+            info, detected = import_checkpoint(src, CountingWrites(target, advance),
+                                               format=None if fmt == "auto" else fmt, under=under,
+                                               overwrite=overwrite, metadata=_metadata(metadata),
+                                               src_storage_options=options_for(src, options))
     except CheckpointExistsError as exc:
         raise CliError(f"{exc} (here: --overwrite)") from exc
+    if as_json:
+        print_json({"source": src, "source_format": detected, "path": info.path, "save_id": info.save_id,
+                    "bytes": info.bytes, "file_count": len(info.files)})
+        return 0
     say(console(), f"imported {src} ({detected}) as {info.path}: {human_bytes(info.bytes)} in "
                          f"{len(info.files)} file(s), save id {info.save_id}")
     return 0

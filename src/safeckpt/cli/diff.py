@@ -51,10 +51,12 @@ class Diff:
     removed: list[dict[str, Any]] = field(default_factory=list)     # tensors only in A
     values: list[dict[str, Any]] = field(default_factory=list)      # plain values added/removed/changed
     info: list[dict[str, Any]] = field(default_factory=list)        # metadata / metrics
+    verified: bool = False     # every byte of both read and checked against its checksums first
+    corrupt: list[str] = field(default_factory=list)                # what --verify found
 
     @property
     def identical(self) -> bool:
-        return not (self.differ or self.changed or self.added or self.removed or self.values)
+        return not (self.differ or self.changed or self.added or self.removed or self.values or self.corrupt)
 
 
 def _same_bytes(a: TensorEntry, b: TensorEntry, ma: Manifest, mb: Manifest) -> bool:
@@ -134,9 +136,18 @@ def containers(tree: Any) -> dict[str, str]:
     return out
 
 
-def diff_checkpoints(sa: Storage, sb: Storage, *, atol: float = 0.0) -> Diff:
+def diff_checkpoints(sa: Storage, sb: Storage, *, atol: float = 0.0, verify: bool = False) -> Diff:
+    """Compare A and B. Tensors with equal block checksums are equal without reading
+    them; ``verify`` first reads both checkpoints in full and checks every checksum
+    (as ``safeckpt verify``), so equal checksums then prove equal bytes on storage."""
     ma, mb = read_committed(sa), read_committed(sb)
-    out = Diff()
+    out = Diff(verified=verify)
+    if verify:
+        from .check import verify_all
+
+        out.corrupt = [p for checked in verify_all([sa, sb], jobs=8) for p in checked.problems]
+        if out.corrupt:
+            return out
     for name in ma.tensors.keys() - mb.tensors.keys():
         e = ma.tensors[name]
         out.removed.append({"name": name, "dtype": e.dtype, "shape": e.shape})
@@ -189,7 +200,8 @@ def _as_json(d: Diff) -> dict[str, Any]:
     def td(x: TensorDiff) -> dict[str, Any]:
         return {"name": x.name, "max_abs_diff": jsonable(x.max_abs_diff), "differing": x.differing,
                 "numel": x.numel}
-    return {"identical": d.identical, "identical_tensors": d.identical_tensors,
+    return {"identical": d.identical, "verified": d.verified, "corrupt": d.corrupt,
+            "identical_tensors": d.identical_tensors,
             "differ": [td(x) for x in d.differ], "within_tolerance": [td(x) for x in d.within_tolerance],
             "changed": d.changed, "added": d.added, "removed": d.removed,
             "values": [{k: jsonable(v) for k, v in x.items()} for x in d.values],
@@ -205,26 +217,32 @@ def _shape(e: dict) -> str:
 @click.argument("b")
 @click.option("--atol", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="tensors whose max absolute difference is at most this count as equal")
+@click.option("--verify", is_flag=True,
+              help="first read every byte of both and check every checksum (to check a copy)")
 @click.option("--json", "as_json", is_flag=True, help="print the differences as JSON")
 @storage_option_flag
-def diff_command(a: str, b: str, atol: float, as_json: bool, storage_option: tuple[str, ...]) -> int:
+def diff_command(a: str, b: str, atol: float, verify: bool, as_json: bool, storage_option: tuple[str, ...]) -> int:
     """Compare two checkpoints: tensors that differ (max absolute difference), changed
     shapes or dtypes, added and removed tensors, differing plain values.
 
     Exits 0 when the saved states are identical, 1 when they differ. Checkpoints saved
     by different numbers of ranks compare by their full tensors. Metadata and metrics
-    differences are shown but do not count."""
+    differences are shown but do not count. Tensors with equal checksums are equal
+    without being read; --verify reads both checkpoints in full first and checks every
+    checksum, so a copy whose bytes rotted is found."""
     options = storage_options(storage_option)
     places = [locate(p, options) for p in (a, b)]
     for place in places:
         if place.kind == "root":
             raise CliError(f"{place.storage.url} is a run root, not one checkpoint; compare two checkpoints, "
                            f"e.g. {place.storage.child(place.steps[-1][1]).url}")
-    d = diff_checkpoints(places[0].storage, places[1].storage, atol=atol)
+    d = diff_checkpoints(places[0].storage, places[1].storage, atol=atol, verify=verify)
     if as_json:
         print_json(_as_json(d))
         return 0 if d.identical else 1
     out = console()
+    for problem in d.corrupt:
+        say(out, f"corrupt   {problem}")
     for x in d.differ:
         say(out, f"differ    {x.name}: max abs diff {x.max_abs_diff:.6g} "
                        f"({x.differing} of {x.numel} elements)")
@@ -249,6 +267,11 @@ def diff_command(a: str, b: str, atol: float, as_json: bool, storage_option: tup
     n_values = len(d.values)
     summary = (f"{d.identical_tensors} identical tensor(s), {len(d.differ)} differ, {len(d.changed)} changed, "
                f"{len(d.added)} added, {len(d.removed)} removed; {n_values} value(s) differ")
+    if d.corrupt:
+        summary = f"{len(d.corrupt)} problem(s) found reading every byte; nothing compared"
+    say(out, "compared: every byte of both read and checked against its checksums, then tensors by checksum "
+        "or value" if d.verified else "compared: tensors with equal checksums by their checksums (not read), "
+        "the others by value; --verify also reads and checks every byte")
     say(out, ("identical: " if d.identical else "different: ") + summary)
     return 0 if d.identical else 1
 

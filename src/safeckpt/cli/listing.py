@@ -2,63 +2,46 @@
 
 from __future__ import annotations
 
-import datetime as _dt
 from typing import Any
 
 import click
 
 from ..checkpoint import read_committed
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from ..folderstate import COMMITTED, LABEL, RETIRED, TORN, folder_state
 from ..manager import CheckpointManager, step_folder
 from ..manifest import Manifest
 from ..storage import Storage
 from ..tensors import dtype_from_name, nbytes_of
 from ..export import plain_values as leaf_values
-from ._common import (CliError, compact, console, decode, human_bytes, jsonable, locate, print_json, say,
-                      storage_option_flag, storage_options, table, text, when)
-
-# the manager's verdicts (CheckpointManager._read) as shown here; unknown ones pass through
-STATUS = {"ok": "committed", "damaged": "corrupt", "incomplete": "incomplete", "newer": "newer",
-          "retired": "retired"}
-STATUS_TEXT = {"committed": "committed", "corrupt": "CORRUPT", "incomplete": "incomplete save",
-               "newer": "newer format (upgrade safeckpt)", "retired": "retired (data still shared)"}
+from ._common import (CliError, compact, console, count_states, decode, human_bytes, iso_time, jsonable, locate,
+                      print_json, say, storage_option_flag, storage_options, table, text, when)
 
 
-def _row(storage: Storage, step: int | None, status: str, found: Manifest | str) -> dict[str, Any]:
+def _row(storage: Storage, step: int | None, state: str, found: Manifest | str) -> dict[str, Any]:
     """One checkpoint folder as a plain record (the ``--json`` row)."""
-    row: dict[str, Any] = {"step": step, "path": storage.url, "status": status}
+    row: dict[str, Any] = {"step": step, "path": storage.url, "status": state}
     if isinstance(found, Manifest):
         m = found
-        row.update(step=m.step if step is None else step, bytes=m.total_bytes, shared=m.shared_bytes(),
-                   created=m.created,
-                   time=_dt.datetime.fromtimestamp(m.created, _dt.timezone.utc).isoformat(),
-                   world_size=m.world_size, metrics=jsonable(m.metrics), metadata=jsonable(m.metadata),
-                   save_id=m.save_id, files=len(m.files), tensors=len(m.tensors), problem=None)
+        row.update(step=m.step if step is None else step, bytes=m.total_bytes, shared_bytes=m.shared_bytes(),
+                   created=m.created, time=iso_time(m.created), world_size=m.world_size,
+                   metrics=jsonable(m.metrics), metadata=jsonable(m.metadata), save_id=m.save_id,
+                   file_count=len(m.files), tensor_count=len(m.tensors), problems=[])
     else:
         listing = storage.listdir()
-        row.update(bytes=sum(s for s in listing.values() if s is not None), shared=0, created=None, time=None,
-                   world_size=None, metrics={}, metadata={}, save_id=None,
-                   files=sum(1 for s in listing.values() if s is not None), tensors=None, problem=found)
+        row.update(bytes=sum(s for s in listing.values() if s is not None), shared_bytes=0, created=None,
+                   time=None, world_size=None, metrics={}, metadata={}, save_id=None,
+                   file_count=sum(1 for s in listing.values() if s is not None), tensor_count=None,
+                   problems=[] if state == RETIRED else [found])
     return row
 
 
 def _rows(path: str, options: dict) -> list[dict[str, Any]]:
     place = locate(path, options)
     if place.kind == "checkpoint":
-        try:
-            return [_row(place.storage, None, "committed", read_committed(place.storage))]
-        except CheckpointNotFoundError as exc:
-            return [_row(place.storage, None, "incomplete", str(exc))]
-        except UnsupportedFormatError as exc:
-            return [_row(place.storage, None, "newer", str(exc))]
-        except CorruptCheckpointError as exc:
-            return [_row(place.storage, None, "corrupt", str(exc))]
+        return [_row(place.storage, None, *folder_state(place.storage))]
     manager = CheckpointManager(place.storage)  # its listing and validity rules, nothing written
-    rows = []
-    for step in manager._step_folders():
-        status, found = manager._read(step)
-        rows.append(_row(place.storage.child(step_folder(step)), step, STATUS.get(status, status), found))
-    return rows
+    return [_row(place.storage.child(step_folder(step)), step, *manager._read(step))
+            for step in manager._step_folders()]
 
 
 @click.command("ls", short_help="List the checkpoints of a run root with their status.")
@@ -68,8 +51,8 @@ def _rows(path: str, options: dict) -> list[dict[str, Any]]:
 def ls_command(root: str, as_json: bool, storage_option: tuple[str, ...]) -> int:
     """List the checkpoints of a run root (its step-NNNNNNNNN folders): step, time,
     the bytes each owns (its own files) and shares (data read from older checkpoints
-    of an incremental run), world size, metrics and status (committed, CORRUPT,
-    incomplete save, retired).
+    of an incremental run), world size, metrics and status (committed, torn save,
+    CORRUPT, newer format, empty, retired).
 
     ROOT is a local path or a URL such as s3://bucket/run; a single checkpoint folder
     lists as one row."""
@@ -82,18 +65,15 @@ def ls_command(root: str, as_json: bool, storage_option: tuple[str, ...]) -> int
               right=("step", "owns", "shares", "world"))
     for r in rows:
         t.add_row(text("-" if r["step"] is None else r["step"]), text(when(r["created"])),
-                  text(human_bytes(r["bytes"])), text(human_bytes(r["shared"]) if r["shared"] else "-"),
+                  text(human_bytes(r["bytes"])), text(human_bytes(r["shared_bytes"]) if r["shared_bytes"] else "-"),
                   text(r["world_size"] or "-"),
                   text(compact(r["metrics"]) if r["metrics"] else "-"),
-                  text(STATUS_TEXT.get(r["status"], r["status"])))
+                  text(LABEL[r["status"]]))
     out.print(t)
-    committed = sum(r["status"] == "committed" for r in rows)
-    out.print(f"{len(rows)} checkpoint folder(s) in {root}: {committed} committed"
-              + "".join(f", {n} {s}" for s in sorted({r["status"] for r in rows} - {"committed"})
-                        if (n := sum(r["status"] == s for r in rows))))
+    say(out, f"{len(rows)} checkpoint folder(s) in {root}: {count_states(r['status'] for r in rows)}")
     for r in rows:
-        if r["status"] not in ("committed", "incomplete", "retired"):
-            say(out, f"  step {r['step']}: {r['problem']}")
+        if r["status"] not in (COMMITTED, TORN, RETIRED):
+            say(out, f"  step {r['step']}: {'; '.join(r['problems'])}")
     return 0
 
 
@@ -111,9 +91,8 @@ def describe_checkpoint(storage: Storage, m: Manifest, select: str | None) -> di
                         "bytes": nbytes_of(e.shape, dtype_from_name(e.dtype, name))})
     values = {k: jsonable(decode(v, k)) for k, v in leaf_values(m.tree).items()
               if not select or k.startswith(select)}
-    return {"path": storage.url, "step": m.step, "save_id": m.save_id, "seq": m.seq,
-            "format_version": m.version, "created": m.created,
-            "time": _dt.datetime.fromtimestamp(m.created, _dt.timezone.utc).isoformat(),
+    return {"path": storage.url, "step": m.step, "status": COMMITTED, "save_id": m.save_id, "seq": m.seq,
+            "format_version": m.version, "created": m.created, "time": iso_time(m.created),
             "world_size": m.world_size, "bytes": m.total_bytes, "shared_bytes": m.shared_bytes(),
             "files": [{"name": f.name, "bytes": f.size, "rank": f.rank} for f in m.files.values()],
             "tensors": tensors, "values": values, "metadata": jsonable(m.metadata),
@@ -137,6 +116,10 @@ def show_command(ckpt: str, as_json: bool, select: str | None, storage_option: t
                        f"checkpoint; show one of them, e.g. {place.storage.child(name).url}")
     m = read_committed(place.storage)
     info = describe_checkpoint(place.storage, m, select)
+    if select and not info["tensors"] and not info["values"]:
+        names = [*m.tensors, *leaf_values(m.tree)]
+        raise CliError(f"nothing in {place.storage.url} starts with {select!r} (names: {', '.join(names[:5])}"
+                       f"{', ...' if len(names) > 5 else ''})")
     if as_json:
         print_json(info)
         return 0

@@ -469,6 +469,7 @@ def _s3(four_ranks: Ranks) -> Ranks:
     return four_ranks
 
 
+@pytest.mark.slow  # the same commands as test_four_rank_checkpoint_local, on moto S3 (~20 s)
 def test_four_rank_checkpoint_on_s3(four_ranks, tmp_path):
     ranks = _s3(four_ranks)
     st = pytest.importorskip("safetensors.torch")

@@ -201,7 +201,7 @@ def test_kill_between_commit_and_latest(server, tmp_path):
     assert [r["steps"] for r in resumed] == [2, 2]   # the newest committed tag, not what latest says
     # the safeckpt command on a committed DeepSpeed tag
     env = {**os.environ, "PYTHONPATH": SRC}
-    for cmd, expect in (("verify", "1 ok, 0 corrupt"), ("ls", "committed"), ("show", "integration='deepspeed'")):
+    for cmd, expect in (("verify", ": 1 committed"), ("ls", "committed"), ("show", "integration='deepspeed'")):
         done = subprocess.run([sys.executable, "-m", "safeckpt", cmd, str(folder / "global_step2")], env=env,
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and expect in done.stdout, (cmd, done.stdout, done.stderr)

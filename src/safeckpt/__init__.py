@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .asyncsave import SaveFuture, async_save
     from .checkpoint import CheckpointInfo, VerifyReport, load, load_state, save, verify
     from .manager import CheckpointManager
-    from .seal import seal
+    from .sealing import seal
     from .shards import RankLocal, Shard
 
 # loggers are named by module under "safeckpt"; nothing is printed unless the application says so
@@ -29,7 +29,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 _LAZY = {
     "save": "checkpoint", "load": "checkpoint", "load_state": "checkpoint", "verify": "checkpoint",
     "CheckpointInfo": "checkpoint", "VerifyReport": "checkpoint", "async_save": "asyncsave",
-    "SaveFuture": "asyncsave", "CheckpointManager": "manager", "seal": "seal", "Shard": "shards",
+    "SaveFuture": "asyncsave", "CheckpointManager": "manager", "seal": "sealing", "Shard": "shards",
     "RankLocal": "shards",
 }
 

@@ -217,7 +217,7 @@ def _deepspeed_state(accelerator: Any, state: dict) -> dict:
 def _save_deepspeed(accelerator: Any, mgr: CheckpointManager, step: int, metrics: dict | None,
                     meta: dict) -> CheckpointInfo:
     from ..manager import step_folder
-    from ..seal import seal
+    from ..sealing import seal
     folder = mgr.save_root.child(step_folder(step))
     for tag, engine in _engines(accelerator):
         engine.save_checkpoint(folder.url, tag, save_latest=False)

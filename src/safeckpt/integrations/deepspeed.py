@@ -76,7 +76,7 @@ from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpoin
 from ..group import resolve
 from ..manifest import Manifest
 from ..retention import Retention
-from ..seal import seal
+from ..sealing import seal
 from ..storage import LocalStorage, Storage
 from ..storage import open as open_storage
 from ..storage.local import fsync_folder

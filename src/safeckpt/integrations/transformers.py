@@ -51,7 +51,7 @@ from ..checkpoint import read_committed, retire, save, verify
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..manifest import Manifest, manifest_seq
 from ..reader import TensorReader
-from ..seal import seal
+from ..sealing import seal
 from ..shards import RankLocal
 from ..storage import open as open_storage
 from ._fsdp import ShardedModel, ShardedOptimizer, is_fsdp

@@ -281,15 +281,16 @@ def retire(storage: Storage, keep: Manifest | None, spare: "set[str] | frozenset
             doomed.update(decode_manifest(storage.read(name), name).files)
         except (CorruptCheckpointError, OSError):
             continue
-    needed: set[str] | None = set(keep.files) if keep is not None else set()
+    needed = set(keep.files) if keep is not None else set()
+    unknown = False  # a newer commit in progress: what it names is unknown
     for name in (name for seq, name in seqs if keep is not None and seq > keep.seq):
         try:
             needed.update(decode_manifest(storage.read(name), name).files)
         except (CorruptCheckpointError, OSError):
-            needed = None  # a newer commit in progress: what it names is unknown
+            unknown = True
             break
     storage.delete(older)
-    if needed is not None:
+    if not unknown:
         storage.delete(sorted(n for n in doomed - needed if not is_shared(n) and n not in spare))
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from .errors import CleanupWarning, warn
 from .checksum import BLOCK_SIZE, checksum
@@ -116,7 +116,7 @@ class SaveRun:
                         describe_error(self.local_error) if self.local_error else None,
                         flat.has_local if flat else False)
         intents = self.group.gather(intent)
-        plans = self._plan(intents) if self.group.rank == 0 else None
+        plans = self._plan(cast("list[Intent]", intents)) if self.group.rank == 0 else None  # gathered on rank 0
         mine: Assignment = self.group.scatter(plans)
         if mine.abort:
             self._raise(mine.abort, mine.errors, mine.exists)
@@ -125,7 +125,8 @@ class SaveRun:
         report = self._write(flat, mine)
         try:
             reports = self.group.gather(report)
-            outcome = self._commit(intents, reports, mine) if self.group.rank == 0 else None
+            outcome = self._commit(cast("list[Intent]", intents), cast("list[Report]", reports), mine) \
+                if self.group.rank == 0 else None
             outcome = self.group.broadcast(outcome)
         except BaseException:  # interrupted (or lost the other ranks) before the outcome
             if report.file is not None and not self.committed:
@@ -177,11 +178,12 @@ class SaveRun:
     def _deduplicate(self, flat: FlatState, mine: Assignment) -> None:
         """Hash this rank's chunks; rank 0 answers which ones no checkpoint holds yet."""
         pieces = [(n, flat.pieces[n].tensor, flat.pieces[n].info.offsets) for n in mine.write]
-        result = self._guard(lambda: digest_pieces(pieces, self.chunk_size))
+        chunk_size = cast(int, self.chunk_size)  # an incremental save
+        result = self._guard(lambda: digest_pieces(pieces, chunk_size))
         digests, views = result if result is not None else ([], [])
         self.own = list(zip(digests, views))
-        error = describe_error(self.local_error) if result is None else None
-        gathered = self.group.gather((digests, error))
+        error = describe_error(cast(BaseException, self.local_error)) if result is None else None
+        gathered = cast("list[Any]", self.group.gather((digests, error)))  # used on rank 0 only
         plans = None
         if self.group.rank == 0:
             errors = {r: e for r, (_, e) in enumerate(gathered) if e}
@@ -255,17 +257,17 @@ class SaveRun:
         return Manifest(save_id=mine.save_id, seq=mine.seq, created=time.time(),
                         world_size=len(intents), files=files, tensors=tensors, tree=self.tree,
                         step=self.step, metadata=self.metadata, metrics=self.metrics, run_id=self.run_id,
-                        block_size=self.chunk_size if incremental else BLOCK_SIZE, version=2 if incremental else 1)
+                        block_size=cast(int, self.chunk_size) if incremental else BLOCK_SIZE, version=2 if incremental else 1)
 
     @staticmethod
     def _add_pieces(intents: list[Intent], reports: list[Report], tensors: dict[str, TensorEntry]) -> None:
         """Every piece a rank wrote is one chunk."""
         for intent, rep in zip(intents, reports):
             infos = {p.name: p for p in intent.pieces}  # this rank's boxes
-            for w in rep.written:
+            for w in rep.written:  # written pieces imply a file
                 info = infos[w.name]
                 entry = tensors.setdefault(w.name, TensorEntry(info.dtype, list(info.global_shape)))
-                entry.chunks.append(Chunk(rep.file.name, w.start, w.end, w.checksums,
+                entry.chunks.append(Chunk(cast(FileEntry, rep.file).name, w.start, w.end, w.checksums,
                                           list(info.offsets), list(info.shape)))
 
     def _add_chunks(self, intents: list[Intent], reports: list[Report], files: dict[str, FileEntry],
@@ -273,8 +275,8 @@ class SaveRun:
         """Incremental saves: every chunk, written now or found in an earlier checkpoint."""
         written: dict[tuple[int, int], Chunk] = {}
         for rank, rep in enumerate(reports):
-            for i, w in zip(self.writes[rank], rep.written):
-                written[(rank, i)] = Chunk(rep.file.name, w.start, w.end, w.checksums, [], [])
+            for i, w in zip(self.writes[rank], rep.written):  # written pieces imply a file
+                written[(rank, i)] = Chunk(cast(FileEntry, rep.file).name, w.start, w.end, w.checksums, [], [])
         for rank, digests in enumerate(self.digests):
             infos = {p.name: p for p in intents[rank].pieces}
             for i, d in enumerate(digests):

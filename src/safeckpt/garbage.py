@@ -18,6 +18,7 @@ collection running meanwhile sees one or the other.
 from __future__ import annotations
 
 import time
+from typing import Any, Mapping
 from .errors import SkippedCheckpointWarning, warn
 from .checkpoint import read_committed
 from .commit import DATA_RE
@@ -28,7 +29,7 @@ from .storage import Storage
 
 
 
-def shared_files(manifests: "dict[str, Manifest] | list[Manifest]") -> dict[str, set[str]]:
+def shared_files(manifests: "Mapping[Any, Manifest] | list[Manifest]") -> dict[str, set[str]]:
     """Sibling folder -> its files that these committed manifests read."""
     out: dict[str, set[str]] = {}
     for m in (manifests.values() if isinstance(manifests, dict) else manifests):

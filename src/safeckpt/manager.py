@@ -13,7 +13,7 @@ from concurrent.futures import Future
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from .errors import CleanupWarning, ForeignRunWarning, SkippedCheckpointWarning, warn
 from . import garbage
@@ -120,10 +120,10 @@ class CheckpointManager:
         rank; then the manager's listings and retention are the durable root's."""
         if self._nodes is None:
             layout = NodeLayout.of(self.group)
-            self._nodes = len(layout.nodes) > 1 and NodeTier(self, layout, self.local_replicas)
+            self._nodes = NodeTier(self, layout, self.local_replicas) if len(layout.nodes) > 1 else False
             if self._nodes:
                 self.tiers = [self.storage]
-        return self._nodes or None
+        return self._nodes if isinstance(self._nodes, NodeTier) else None
 
     def _on_rank0(self, fn: Any) -> Any:
         """Run ``fn`` on rank 0 and give every rank its result (or its error)."""
@@ -155,10 +155,10 @@ class CheckpointManager:
         return folder_state((root or self.save_root).child(step_folder(step)))
 
     def _committed(self, root: Storage | None = None) -> dict[int, Manifest]:
-        out = {}
+        out: dict[int, Manifest] = {}
         for step in self._step_folders(root):
             status, m = self._read(step, root)
-            if status == COMMITTED:
+            if status == COMMITTED and isinstance(m, Manifest):
                 out[step] = m
         return out
 
@@ -193,7 +193,7 @@ class CheckpointManager:
             self._on_rank0(self._check_lease)  # a second job fails here, before writing anything
             self._leased = True
         nodes = self._node_tier()
-        folder = (self.local if nodes else self.save_root).child(step_folder(step))
+        folder = (cast(Storage, self.local) if nodes else self.save_root).child(step_folder(step))  # nodes: local=
         group = background_group(self.process_group) if self._saver else self.group
         request = save_request(folder, metadata=metadata, metrics=metrics, step=step,
                                process_group=group, allow_pickle=self.allow_pickle,
@@ -209,7 +209,10 @@ class CheckpointManager:
                 request.base = lambda: self._base(step)
         if self._saver is not None:
             future = self._saver.submit(state, request, on_done=self._after_save)
-            future.add_done_callback(lambda f: Future.exception(f) and self._remove_if_empty(folder))
+            def remove_if_failed(f: Future) -> None:
+                if f.exception() is not None:
+                    self._remove_if_empty(folder)
+            future.add_done_callback(remove_if_failed)
             return future
         try:
             info = request.run(request.flattener(state), _now())
@@ -244,7 +247,7 @@ class CheckpointManager:
         except OSError as exc:  # the save is committed; a failed cleanup is not its error
             warn(f"saved step {info.step}, but cleaning up older checkpoints failed: {exc}", CleanupWarning)
         if self._replicator is not None:
-            self._replicator.submit(step_folder(info.step))
+            self._replicator.submit(step_folder(cast(int, info.step)))  # a manager's saves have steps
 
     def _after_replication(self, m: Manifest) -> None:
         """The replicator's thread, after a copy committed in the durable root."""
@@ -269,7 +272,7 @@ class CheckpointManager:
                 self._lease.check()
 
     def _retain(self, root: Storage, retention: Retention, just_saved: int | None,
-                protect: set[int] = frozenset(), fenced: bool = True) -> None:
+                protect: "set[int] | frozenset[int]" = frozenset(), fenced: bool = True) -> None:
         if retention.keeps_all:
             return
         committed = self._committed(root)
@@ -388,17 +391,17 @@ class CheckpointManager:
                  SkippedCheckpointWarning)
         return None
 
-    def _candidates(self, step: int | None) -> list[tuple[int, int, str, str | None]]:
+    def _candidates(self, step: int | None) -> list[tuple[int, int, str, Any]]:
         """Rank 0: (step, tier, status, run id when ok or else why not) to try, in order."""
         listings = []
         for root in self.tiers:
-            rows = []
+            listing = []
             for s in self._step_folders(root):
                 if step in (None, s):
                     status, m = self._read(s, root)
                     found = m if isinstance(m, Manifest) else None
-                    rows.append((s, status, found.run_id if found else m, found))
-            listings.append(rows)
+                    listing.append((s, status, found.run_id if found else m, found))
+            listings.append(listing)
         rows, notes = tier_candidates(listings, [t.url for t in self.tiers])
         if notes:
             warn("restore: " + "; ".join(notes), SkippedCheckpointWarning)
@@ -428,7 +431,7 @@ class CheckpointManager:
         info = self._saver.wait() if self._saver is not None else None
         if self._replicator is not None:
             self._replicator.wait()
-        if self._nodes:
+        if isinstance(self._nodes, NodeTier):
             self._nodes.sync.wait()
         return info
 
@@ -444,7 +447,7 @@ class CheckpointManager:
             try:
                 if self._replicator is not None:
                     self._replicator.close()
-                if self._nodes:
+                if isinstance(self._nodes, NodeTier):
                     self._nodes.sync.wait()
             finally:
                 self._restore_handler()

@@ -304,7 +304,7 @@ def _decode_dcp(raw: Any, where: str) -> DcpRecord:
     _need(isinstance(record.items, dict) and type(record.planner_data) is bool and isinstance(record.bytesio, list)
           and all(n in record.items for n in record.bytesio), where, "malformed dcp record")
     for fqn, path in record.items.items():
-        _need(isinstance(path, list) and path and all(type(p) is str or _is_int(p) for p in path), where,
+        _need(isinstance(path, list) and bool(path) and all(type(p) is str or _is_int(p) for p in path), where,
               f"dcp item {fqn!r}: bad path {path!r}")
     return record
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -67,7 +67,7 @@ def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState
     seen: dict[tuple, str] = {}
     has_local = False
 
-    def add(name: str, t: torch.Tensor, kind: str, global_shape: list[int], offsets: list[int]) -> dict:
+    def add(name: str, t: torch.Tensor, kind: str, global_shape: Sequence[int], offsets: Sequence[int]) -> dict:
         if name in pieces or name in aliases:
             raise UnsafeObjectError(f"two tensors in the state are both named {name!r}; rename one of the keys")
         if not is_storable(t):
@@ -190,9 +190,9 @@ class LoadPlanner:
             return self._plan_local(target, node, key, mode)
         if is_stateful(target):
             return self._plan_object(target, node, key)
-        boxed = _target_box(target)
-        if boxed is not None:
-            return self._plan_tensor_into(target, boxed, node, key, mode)
+        found = _target_box(target)
+        if found is not None:
+            return self._plan_tensor_into(target, found, node, key, mode)
         if is_sharded_tensor(target) and tag == "$tensor":
             return lambda: target  # a ShardedTensor with no shard on this rank: nothing to read
         if tag == "$tensor":
@@ -378,7 +378,7 @@ class LoadPlanner:
             return
         for index, per_param in codec.items_of(saved_state, key, self.allow_pickle):
             param = params.get(index)
-            if not is_dtensor(param) or index in current["state"] or codec.tag_of(per_param) not in ("object", "$dict"):
+            if param is None or not is_dtensor(param) or index in current["state"] or codec.tag_of(per_param) not in ("object", "$dict"):
                 continue
             hints = {}
             for name, ref in codec.items_of(per_param, key, self.allow_pickle):

@@ -47,7 +47,7 @@ def _register() -> None:
 _register()
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: "BaseException | str") -> str:
     text = str(exc).strip() or type(exc).__name__
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return "; ".join(lines)

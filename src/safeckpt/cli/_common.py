@@ -215,10 +215,11 @@ def print_json(obj: Any) -> None:
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "-"
+    value: float = n
     for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
+        if abs(value) < 1000 or unit == "TB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
     return f"{n} B"
 
 

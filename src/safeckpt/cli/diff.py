@@ -187,10 +187,10 @@ def diff_checkpoints(sa: Storage, sb: Storage, *, atol: float = 0.0, verify: boo
         if ca[key] != cb[key]:
             out.values.append({"name": key, "change": "changed", "a": ca[key], "b": cb[key], "container": True})
     out.values.sort(key=lambda v: v["name"])
-    for what, a, b in (("metadata", ma.metadata, mb.metadata), ("metrics", ma.metrics, mb.metrics)):
-        for key in sorted(a.keys() | b.keys(), key=str):
-            if a.get(key, ABSENT) != b.get(key, ABSENT):
-                out.info.append({"name": f"{what}.{key}", "a": a.get(key, ABSENT), "b": b.get(key, ABSENT)})
+    for what, da, db in (("metadata", ma.metadata, mb.metadata), ("metrics", ma.metrics, mb.metrics)):
+        for key in sorted(da.keys() | db.keys(), key=str):
+            if da.get(key, ABSENT) != db.get(key, ABSENT):
+                out.info.append({"name": f"{what}.{key}", "a": da.get(key, ABSENT), "b": db.get(key, ABSENT)})
     for lst in (out.removed, out.added, out.changed):
         lst.sort(key=lambda v: v["name"])
     return out

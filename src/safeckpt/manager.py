@@ -210,7 +210,7 @@ class CheckpointManager:
         if self._saver is not None:
             future = self._saver.submit(state, request, on_done=self._after_save)
             def remove_if_failed(f: Future) -> None:
-                if f.exception() is not None:
+                if Future.exception(f) is not None:  # the base method: looking must not mark it seen
                     self._remove_if_empty(folder)
             future.add_done_callback(remove_if_failed)
             return future

@@ -271,9 +271,8 @@ class FsspecStorage(Storage):
             raise self._err(exc, "read", name) from exc
 
     def size(self, name: str) -> int:
-        path = self._full(name)
         try:
-            info = self.fs.info(path)
+            size = self._lookup_size(name)
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "no such file", self._where(name)) from None
         except OSError as exc:
@@ -281,9 +280,14 @@ class FsspecStorage(Storage):
             if status == 404 and code != "NoSuchBucket":
                 raise FileNotFoundError(errno.ENOENT, "no such file", self._where(name)) from exc
             raise self._err(exc, "stat", name) from exc
-        if info.get("type") == "directory":
+        if size is None:
             raise FileNotFoundError(errno.ENOENT, "no such file (a folder)", self._where(name))
-        return int(info["size"])
+        return size
+
+    def _lookup_size(self, name: str) -> int | None:
+        """The size of ``name`` as the backend reports it (None: it is a folder)."""
+        info = self.fs.info(self._full(name))
+        return None if info.get("type") == "directory" else int(info["size"])
 
     # -- listing and deleting ----------------------------------------------------------------
     def listdir(self) -> dict[str, int | None]:

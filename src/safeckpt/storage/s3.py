@@ -14,8 +14,7 @@ from typing import Any, Iterable, Iterator
 
 from ..errors import StorageError
 from .base import Buffer
-from .fsspec import (MAX_PARTS, PARALLEL_PARTS, PART_SIZE, WRITE_TOKEN, FsspecStorage, _bytes_view, _client_error,
-                     _is_backend_error, _is_definite, _is_precondition_failed)
+from .fsspec import (MAX_PARTS, PARALLEL_PARTS, PART_SIZE, WRITE_TOKEN, FsspecStorage, _bytes_view, _is_backend_error, _is_definite, _is_precondition_failed)
 
 MIN_PART_SIZE = 5 << 20  # S3 refuses smaller parts (but the last)
 
@@ -214,16 +213,8 @@ class S3Storage(FsspecStorage):
             raise self._err(exc, "abort stale uploads in", None) from exc
 
     # -- reading, listing, deleting -----------------------------------------------------------
-    def size(self, name: str) -> int:
-        try:
-            return int(self._call("head_object", Bucket=self.bucket, Key=self._key(name))["ContentLength"])
-        except FileNotFoundError:
-            raise FileNotFoundError(errno.ENOENT, "no such file", self._where(name)) from None
-        except OSError as exc:
-            code, status = _client_error(exc)
-            if status == 404 and code != "NoSuchBucket":
-                raise FileNotFoundError(errno.ENOENT, "no such file", self._where(name)) from exc
-            raise self._err(exc, "stat", name) from exc
+    def _lookup_size(self, name: str) -> int | None:
+        return int(self._call("head_object", Bucket=self.bucket, Key=self._key(name))["ContentLength"])
 
     def listdir(self) -> dict[str, int | None]:
         self.fs.invalidate_cache(self.path)  # never answer from a stale listing cache

@@ -7,6 +7,7 @@ tests skip when mounting is not allowed)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -16,6 +17,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -239,12 +241,12 @@ def test_created_files_and_folders_follow_the_umask(tmp_path, umask, file_mode, 
 # --------------------------------------------------------------------------- real filesystems that refuse
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 2 MiB tmpfs mounted at tmp_path/mnt (skips when mounting is not allowed)."""
+@contextlib.contextmanager
+def _tmpfs(tmp_path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at tmp_path/mnt (skips when mounting is not allowed)."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(mnt)],
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(mnt)],
                        capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
@@ -252,6 +254,13 @@ def small_fs(tmp_path):
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 2 MiB tmpfs mounted at tmp_path/mnt."""
+    with _tmpfs(tmp_path, "2m") as mnt:
+        yield mnt
 
 
 def _free_bytes(path: Path) -> int:
@@ -355,12 +364,11 @@ def test_failed_and_good_saves_alternating_on_a_full_disk_never_hang(tmp_path):
     returns (a suspended stream left for the garbage collector once closed its pool
     inside another thread's start and deadlocked), and the loop ends well within a
     deadline, with the collector made to run as often as it can."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m,mode=0755", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    with _tmpfs(tmp_path, "5m") as mnt:
+        _alternate_failing_and_good_saves(mnt)
+
+
+def _alternate_failing_and_good_saves(mnt: Path) -> None:
     script = f"""
 import gc, threading, torch, safeckpt
 mgr = safeckpt.CheckpointManager({str(mnt / "run")!r}, keep_last=1)
@@ -387,6 +395,4 @@ print("OK")
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
         pytest.fail("the alternating full-disk loop hung")
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]

@@ -255,7 +255,7 @@ def run_async_case(case: str, state: dict, repeat: int, workdir: Path, tools: li
 def release_staging() -> None:
     """Free safeckpt's reusable staging buffers (one copy of the state) once done."""
     try:
-        import safeckpt.asyncsave as sa
+        import safeckpt.run.asyncsave as sa
 
         saver = getattr(sa, "_default", None)
         if saver is not None:

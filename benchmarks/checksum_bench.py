@@ -3,7 +3,7 @@
 
 Per repeat, interleaved so that drift of a shared machine hits both alike:
 * ``safeckpt.save`` as shipped, and the same save with the data checksums stubbed out
-  (``safeckpt.datafile.block_checksums`` replaced by a constant; the header and manifest
+  (``safeckpt.protocol.datafile.block_checksums`` replaced by a constant; the header and manifest
   checksums stay): the wall-time difference is what the checksums cost the caller;
 * ``safeckpt.load`` in place with ``verify=True`` (default) and ``verify=False``, each
   from a cold page cache when it can be dropped;
@@ -37,8 +37,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def run_checksum_case(case: str, state: dict, repeat: int, workdir: Path) -> dict:
     import safeckpt
-    import safeckpt.datafile as datafile
-    from safeckpt.checksum import block_checksums
+    import safeckpt.protocol.datafile as datafile
+    from safeckpt.format.checksum import block_checksums
 
     nbytes = state_nbytes(state)
     dest = empty_like_state(state)

@@ -31,7 +31,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (Ctx, MiB, bench_parser, default_dir, disk_usage, flatten,  # noqa: E402
                     fsync_tree, make_large_state, make_tools, remove, setup_dcp, state_nbytes)
-from safeckpt.incremental import CHUNK_SIZE, digest_pieces  # noqa: E402
+from safeckpt.protocol.incremental import CHUNK_SIZE, digest_pieces  # noqa: E402
 
 FROZEN_SHARE = 0.9
 

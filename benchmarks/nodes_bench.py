@@ -37,7 +37,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import safeckpt
-    from safeckpt.shards import Shard
+    from safeckpt.protocol.shards import Shard
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)

@@ -17,9 +17,9 @@ import argparse
 import gc
 import time
 
-from safeckpt.checksum import checksum
-from safeckpt.manifest import Chunk, FileEntry, Manifest, TensorEntry, encode_manifest
-from safeckpt.plan import PieceInfo, assign_writes, check_coverage
+from safeckpt.format.checksum import checksum
+from safeckpt.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, encode_manifest
+from safeckpt.format.plan import PieceInfo, assign_writes, check_coverage
 
 
 def sharded(ranks: int, tensors: int) -> list[list[PieceInfo]]:

@@ -59,7 +59,7 @@ def main() -> int:
     if args.gil:
         return gil_share(args)
     import safeckpt
-    import safeckpt.asyncsave as asyncsave
+    import safeckpt.run.asyncsave as asyncsave
 
     kind, which = args.op.split("-")
     state = make_small_state(args.n_small, 8) if which == "small" else make_large_state(args.size_mib, 50)

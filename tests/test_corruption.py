@@ -21,7 +21,7 @@ from typing import Callable
 import pytest
 
 import safeckpt
-from safeckpt.manifest import Manifest, decode_manifest, encode_manifest
+from safeckpt.format.manifest import Manifest, decode_manifest, encode_manifest
 from save_child import make_state, make_template, state_mismatch
 
 KEY = "model.r"  # the tensor the data-level scenarios damage

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt.checksum import block_checksums
-from safeckpt.export import import_checkpoint, read_safetensors
-from safeckpt.manifest import frame
-from safeckpt.plan import PlanError, check_coverage
+from safeckpt.format.checksum import block_checksums
+from safeckpt.interop.export import import_checkpoint, read_safetensors
+from safeckpt.format.manifest import frame
+from safeckpt.format.plan import PlanError, check_coverage
 
 # --------------------------------------------------------------------------- helpers
 
@@ -182,7 +182,7 @@ def test_restore_falls_back_past_crafted_checkpoints(tmp_path):
 
 
 def test_a_tree_at_the_depth_limit_saves_and_loads_and_a_deeper_one_is_refused(tmp_path):
-    from safeckpt.codec import MAX_DEPTH
+    from safeckpt.format.codec import MAX_DEPTH
 
     deep = _nest(MAX_DEPTH - 1)  # the state dict itself is one level
     safeckpt.save({"x": deep}, tmp_path / "ok")

@@ -34,12 +34,12 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt.lease import LEASE_RE
-from safeckpt.checkpoint import read_committed
+from safeckpt.run.lease import LEASE_RE
+from safeckpt.protocol.checkpoint import read_committed
 from safeckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from safeckpt.garbage import RETIRED
-from safeckpt.manager import step_folder
-from safeckpt.manifest import is_shared, manifest_seq
+from safeckpt.run.garbage import RETIRED
+from safeckpt.run.manager import step_folder
+from safeckpt.format.manifest import is_shared, manifest_seq
 from safeckpt.storage import Storage
 from safeckpt.testing import PROFILES, crash_points
 

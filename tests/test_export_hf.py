@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt.export import export_checkpoint
+from safeckpt.interop.export import export_checkpoint
 
 transformers = pytest.importorskip("transformers")
 st = pytest.importorskip("safetensors.torch")

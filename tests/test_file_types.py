@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt.checksum import checksum
-from safeckpt.manifest import decode_manifest, encode_manifest
+from safeckpt.format.checksum import checksum
+from safeckpt.format.manifest import decode_manifest, encode_manifest
 
 HANG_S = 60  # a subprocess that takes this long is hung
 

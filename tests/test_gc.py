@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import safeckpt
-from safeckpt.checkpoint import new_save_id
+from safeckpt.protocol.checkpoint import new_save_id
 from safeckpt.storage.local import LocalStorage
 
 from save_child import make_state, state_mismatch
@@ -78,7 +78,7 @@ def messy_root(tmp_path, fork_server):
     _foreign(root)
     listing2 = set(os.listdir(root / "step-000000002"))
     assert "manifest-000002.json" in listing2 and "manifest-000001.json" in listing2
-    new_files = set(safeckpt.checkpoint.read_committed(LocalStorage(root / "step-000000002")).files)
+    new_files = set(safeckpt.protocol.checkpoint.read_committed(LocalStorage(root / "step-000000002")).files)
     old2 = {f"step-000000002/{n}" for n in listing2 - new_files - {"manifest-000002.json"}}
     step4 = {f"step-000000004/{n}" for n in os.listdir(root / "step-000000004")}
     step0 = {f"step-000000000/{n}" for n in os.listdir(root / "step-000000000")}

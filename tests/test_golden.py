@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt.manifest import decode_manifest
+from safeckpt.format.manifest import decode_manifest
 
 GOLDEN = Path(__file__).parent / "golden"
 sys.path.insert(0, str(GOLDEN))

@@ -38,10 +38,10 @@ import torch
 
 import safeckpt
 from safeckpt import garbage
-from safeckpt.checkpoint import read_committed
-from safeckpt.incremental import split_box
-from safeckpt.manager import step_folder
-from safeckpt.manifest import is_shared
+from safeckpt.protocol.checkpoint import read_committed
+from safeckpt.protocol.incremental import split_box
+from safeckpt.run.manager import step_folder
+from safeckpt.format.manifest import is_shared
 from safeckpt.storage import LocalStorage
 from safeckpt.storage import open as open_storage
 from safeckpt.testing import FaultyStorage

@@ -27,7 +27,7 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
 import safeckpt  # noqa: E402
-from safeckpt.checkpoint import read_committed  # noqa: E402
+from safeckpt.protocol.checkpoint import read_committed  # noqa: E402
 from safeckpt.integrations import transformers as hf  # noqa: E402
 from safeckpt.storage import LocalStorage  # noqa: E402
 

@@ -33,9 +33,9 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 import safeckpt  # noqa: E402
-from safeckpt.group import SingleGroup  # noqa: E402
+from safeckpt.protocol.group import SingleGroup  # noqa: E402
 from safeckpt.integrations import transformers as hf  # noqa: E402
-from safeckpt.sealing import seal  # noqa: E402
+from safeckpt.interop.sealing import seal  # noqa: E402
 
 STEPS = 8
 SAVE_EVERY = 2

@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 import safeckpt  # noqa: E402
-from safeckpt.manager import step_folder  # noqa: E402
-from safeckpt.nodes import read_holdings  # noqa: E402
+from safeckpt.run.manager import step_folder  # noqa: E402
+from safeckpt.run.nodes import read_holdings  # noqa: E402
 from safeckpt.storage import LocalStorage  # noqa: E402
 
 import tiered_dist_worker as tw  # noqa: E402  (tests/helpers is on sys.path via conftest.py)
@@ -68,7 +68,7 @@ def committed(root: Path) -> list[int]:
     out = []
     for p in sorted(root.glob("step-*")):
         try:
-            safeckpt.checkpoint.read_committed(LocalStorage(str(p)))
+            safeckpt.protocol.checkpoint.read_committed(LocalStorage(str(p)))
             out.append(int(p.name[5:]))
         except safeckpt.CheckpointError:
             pass
@@ -97,7 +97,7 @@ def test_save_writes_each_nodes_part_to_its_own_disk_and_restores_bit_exact(serv
     for step in (2, 3):
         durable_exact(tmp_path, step)
     # each node holds its own ranks' files, under a record of the committed save
-    sid = safeckpt.checkpoint.read_committed(LocalStorage(str(tmp_path / "durable" / step_folder(3)))).save_id
+    sid = safeckpt.protocol.checkpoint.read_committed(LocalStorage(str(tmp_path / "durable" / step_folder(3)))).save_id
     a, b = holdings(tmp_path, "a", 3), holdings(tmp_path, "b", 3)
     assert list(a) == [sid] and sorted(f.rsplit("-", 1)[1] for f in a[sid]) == ["r00000.safetensors", "r00001.safetensors"], a
     assert sorted(f.rsplit("-", 1)[1] for f in b[sid]) == ["r00002.safetensors", "r00003.safetensors"], b
@@ -122,7 +122,7 @@ def test_node_with_empty_disk_falls_back_to_durable_root(server, tmp_path):
 
 def test_peer_replica_restores_a_lost_node_without_the_durable_root(server, tmp_path):
     save(server, tmp_path, [1, 2], replicas=1)
-    sid = safeckpt.checkpoint.read_committed(LocalStorage(str(tmp_path / "durable" / step_folder(2)))).save_id
+    sid = safeckpt.protocol.checkpoint.read_committed(LocalStorage(str(tmp_path / "durable" / step_folder(2)))).save_id
     # node a holds node b's files too, and b holds a's
     assert len(holdings(tmp_path, "a", 2)[sid]) == 4 and len(holdings(tmp_path, "b", 2)[sid]) == 4
     shutil.rmtree(tmp_path / "local-b")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from safeckpt.plan import PieceInfo, PlanError, assign_writes, byte_runs, check_coverage, overlap
+from safeckpt.format.plan import PieceInfo, PlanError, assign_writes, byte_runs, check_coverage, overlap
 
 
 def _piece(name, kind="replicated", offsets=(0,), shape=(4,), global_shape=(4,), nbytes=16):

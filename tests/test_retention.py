@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt.retention import Retention
+from safeckpt.run.retention import Retention
 from safeckpt.storage.local import LocalStorage
 from safeckpt.testing import FaultyStorage
 

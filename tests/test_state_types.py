@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import safeckpt
-from safeckpt.manifest import decode_manifest, encode_manifest, manifest_name
+from safeckpt.format.manifest import decode_manifest, encode_manifest, manifest_name
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental"),

@@ -36,9 +36,9 @@ import torch
 
 import safeckpt
 from safeckpt import garbage
-from safeckpt.checkpoint import read_committed
-from safeckpt.manager import STEP_RE, step_folder
-from safeckpt.manifest import is_shared
+from safeckpt.protocol.checkpoint import read_committed
+from safeckpt.run.manager import STEP_RE, step_folder
+from safeckpt.format.manifest import is_shared
 from safeckpt.storage import LocalStorage
 from safeckpt.storage import open as open_storage
 from safeckpt.testing import FaultyStorage

@@ -17,20 +17,20 @@ from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundE
                      WeakStorageWarning)
 
 if TYPE_CHECKING:
-    from .asyncsave import SaveFuture, async_save
-    from .checkpoint import CheckpointInfo, VerifyReport, load, load_state, save, verify
-    from .manager import CheckpointManager
-    from .sealing import seal
-    from .shards import RankLocal, Shard
+    from .run.asyncsave import SaveFuture, async_save
+    from .protocol.checkpoint import CheckpointInfo, VerifyReport, load, load_state, save, verify
+    from .run.manager import CheckpointManager
+    from .interop.sealing import seal
+    from .protocol.shards import RankLocal, Shard
 
 # loggers are named by module under "safeckpt"; nothing is printed unless the application says so
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 _LAZY = {
-    "save": "checkpoint", "load": "checkpoint", "load_state": "checkpoint", "verify": "checkpoint",
-    "CheckpointInfo": "checkpoint", "VerifyReport": "checkpoint", "async_save": "asyncsave",
-    "SaveFuture": "asyncsave", "CheckpointManager": "manager", "seal": "sealing", "Shard": "shards",
-    "RankLocal": "shards",
+    "save": "protocol.checkpoint", "load": "protocol.checkpoint", "load_state": "protocol.checkpoint", "verify": "protocol.checkpoint",
+    "CheckpointInfo": "protocol.checkpoint", "VerifyReport": "protocol.checkpoint", "async_save": "run.asyncsave",
+    "SaveFuture": "run.asyncsave", "CheckpointManager": "run.manager", "seal": "interop.sealing", "Shard": "protocol.shards",
+    "RankLocal": "protocol.shards",
 }
 
 __all__ = [

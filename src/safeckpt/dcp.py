@@ -46,21 +46,21 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.distributed.checkpoint._traverse import set_element
 from torch.futures import Future
 
-from . import codec
-from .checkpoint import PathLike, new_save_id, plain_values, read_committed
-from .checksum import checksum
-from .commit import (check_visible, data_file_name, describe_error, read_existing, refuse_existing, remove_quietly,
+from .format import codec
+from .protocol.checkpoint import PathLike, new_save_id, plain_values, read_committed
+from .format.checksum import checksum
+from .protocol.commit import (check_visible, data_file_name, describe_error, read_existing, refuse_existing, remove_quietly,
                      retire_replaced, write_manifest)
-from .datafile import WrittenPiece, plan_layout, write_data_file
+from .protocol.datafile import WrittenPiece, plan_layout, write_data_file
 from .errors import (CheckpointError, CorruptCheckpointError, SaveAbortedError,
                      UnsupportedFeatureError)
-from .manifest import Chunk, DcpRecord, FileEntry, Manifest, TensorEntry, encode_values
-from .plan import PlanError, check_coverage
-from .reader import TensorReader
-from .state import Read, flatten
+from .format.manifest import Chunk, DcpRecord, FileEntry, Manifest, TensorEntry, encode_values
+from .format.plan import PlanError, check_coverage
+from .protocol.reader import TensorReader
+from .protocol.state import Read, flatten
 from .storage import Storage
 from .storage import open as open_storage
-from .tensors import dtype_from_name, dtype_name
+from .format.tensors import dtype_from_name, dtype_name
 
 __all__ = ["Writer", "Reader", "dcp_to_torch_save", "UnsupportedFeatureError"]
 

@@ -247,7 +247,7 @@ def sc_replicated_save(ctx: Ctx) -> dict:
 def shard_state(rank: int, rows: list, ecols: list, *, empty: bool = False) -> dict:
     """W as row shards ``rows[rank]``, E as column shards ``ecols[rank]``, a replicated bias."""
     import torch
-    from safeckpt.shards import Shard
+    from safeckpt.protocol.shards import Shard
     W, E = W_full(), E_full()
     r0, r1 = rows[rank]
     c0, c1 = ecols[rank]
@@ -289,7 +289,7 @@ def sc_even_save(ctx: Ctx) -> dict:
     still fit the byte ranges, so only the values can tell."""
     import safeckpt
     import torch
-    from safeckpt.shards import Shard
+    from safeckpt.protocol.shards import Shard
     n = 16 // ctx.world
     safeckpt.save({"v": Shard(V_full()[n * ctx.rank:n * (ctx.rank + 1)].clone(), (16, 4), [n * ctx.rank, 0])},
                   str(ctx.root / "even"))
@@ -396,7 +396,7 @@ def sc_fsdp_save(ctx: Ctx) -> dict:
 def sc_ranklocal_save(ctx: Ctx) -> dict:
     import safeckpt
     import torch
-    from safeckpt.shards import RankLocal
+    from safeckpt.protocol.shards import RankLocal
     torch.manual_seed(1000 + ctx.rank)
     rng = torch.get_rng_state()
     torch.save(rng, ctx.root / f"rng-{ctx.rank}.pt")
@@ -485,7 +485,7 @@ def _mgr_state(rank: int, step: int, *, empty: bool = False) -> dict:
     """Each rank's rows of a step-dependent matrix as a rank-local tensor (so that each
     rank reads only its own bytes back), a replicated tensor and the step."""
     import torch
-    from safeckpt.shards import RankLocal
+    from safeckpt.protocol.shards import RankLocal
     r0, r1 = SAVE_ROWS[rank]
     w = mgr_w(step)[r0:r1].clone()
     return {"w": RankLocal(torch.full_like(w, -1) if empty else w),
@@ -551,7 +551,7 @@ def sc_rows_load3(ctx: Ctx) -> dict:
     """4 row shards saved -> 3 uneven column shards of W, 3 row shards of E."""
     import safeckpt
     import torch
-    from safeckpt.shards import Shard
+    from safeckpt.protocol.shards import Shard
     c0, c1 = LOAD_COLS3[ctx.rank]
     r0, r1 = LOAD_EROWS3[ctx.rank]
     target = {"w": Shard(torch.empty(W_SHAPE[0], c1 - c0, dtype=torch.float64), W_SHAPE, [0, c0]),
@@ -565,7 +565,7 @@ def sc_rows_load2(ctx: Ctx) -> dict:
     """4 row shards saved -> 2 other row shards of W; E as a full plain tensor."""
     import safeckpt
     import torch
-    from safeckpt.shards import Shard
+    from safeckpt.protocol.shards import Shard
     r0, r1 = LOAD_ROWS2[ctx.rank]
     target = {"w": Shard(torch.empty(r1 - r0, W_SHAPE[1], dtype=torch.float64), W_SHAPE, [r0, 0]),
               "e": torch.empty(E_SHAPE, dtype=torch.bfloat16), "bias": torch.empty(10)}
@@ -623,7 +623,7 @@ def sc_ranklocal_load3(ctx: Ctx) -> dict:
     import warnings
     import safeckpt
     import torch
-    from safeckpt.shards import RankLocal
+    from safeckpt.protocol.shards import RankLocal
     rng = torch.get_rng_state()
     target = {"rng": RankLocal(rng.clone()), "pos": RankLocal(-1), "w": BIAS() * 0,
               "loader": RankLocal({"epoch": 0, "offset": 0.0})}

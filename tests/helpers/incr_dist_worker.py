@@ -53,7 +53,7 @@ def touched_chunks(step: int) -> int:
 def rank_state(rank: int, world: int, step: int, *, empty: bool = False) -> dict:
     import torch
 
-    from safeckpt.shards import Shard
+    from safeckpt.protocol.shards import Shard
     rows = ROWS2 if world == 2 else [(0, EMB_SHAPE[0])]
     r0, r1 = rows[rank]
     emb = emb_full(step)[r0:r1].clone()

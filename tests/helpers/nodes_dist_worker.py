@@ -30,7 +30,7 @@ def rows(rank: int, world: int) -> tuple[int, int]:
 
 def rank_state(rank: int, world: int, step: int, *, empty: bool = False) -> dict:
     import torch
-    from safeckpt.shards import Shard
+    from safeckpt.protocol.shards import Shard
     r0, r1 = rows(rank, world)
     m, b = mat_full(step)[r0:r1].clone(), bias(step)
     if empty:
@@ -54,7 +54,7 @@ def _killer(path: Path, where: str, mine: set[int] = frozenset()):
     there. Children stay wrapped."""
     import signal
     import time
-    from safeckpt.commit import DATA_RE
+    from safeckpt.protocol.commit import DATA_RE
     from safeckpt.storage import LocalStorage
     from safeckpt.storage.base import StorageWrapper
 

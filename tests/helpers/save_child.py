@@ -281,7 +281,7 @@ def _calibrate(folder: str) -> float:
 
 def serve() -> None:
     torch.set_num_threads(1)  # forked children must not inherit an OpenMP pool
-    import safeckpt.checkpoint, safeckpt.manager  # noqa: F401,E401  (the API is imported on first use: once, before any fork)
+    import safeckpt.protocol.checkpoint, safeckpt.run.manager  # noqa: F401,E401  (the API is imported on first use: once, before any fork)
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()

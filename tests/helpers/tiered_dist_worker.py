@@ -36,7 +36,7 @@ def bias(step: int):
 
 def rank_state(rank: int, world: int, step: int, *, empty: bool = False) -> dict:
     import torch
-    from safeckpt.shards import Shard
+    from safeckpt.protocol.shards import Shard
     r0, r1 = ROWS2[rank] if world == 2 else (0, ROWS[0])
     m, b = mat_full(step)[r0:r1].clone(), bias(step)
     if empty:

@@ -14,11 +14,11 @@ from typing import Any, Callable, Iterable, Iterator
 
 import click
 
-from .. import codec
-from ..checkpoint import read_committed
+from ..format import codec
+from ..protocol.checkpoint import read_committed
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsafeObjectError
-from ..manifest import STEP_RE
-from ..manifest import manifest_seq
+from ..format.manifest import STEP_RE
+from ..format.manifest import manifest_seq
 from ..storage import Storage, StorageWrapper
 from ..storage import open as open_storage
 
@@ -237,7 +237,7 @@ def iso_time(seconds: float) -> str:
 def count_states(states: Any) -> str:
     """``3 committed, 1 torn``: how many folders are in each state, in the states' order
     (committed always shown)."""
-    from ..folderstate import COMMITTED, STATES
+    from ..format.folder import COMMITTED, STATES
 
     found = list(states)
     return ", ".join(f"{found.count(s)} {s.replace('_', ' ')}" for s in STATES

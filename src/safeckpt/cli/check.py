@@ -10,11 +10,11 @@ from typing import Any, Callable
 
 import click
 
-from .. import garbage
+from ..run import garbage
 from ..errors import CheckpointError
-from ..folderstate import COMMITTED, CORRUPT, EMPTY, LABEL, NEWER_FORMAT, RETIRED, TORN, folder_state
-from ..manifest import Manifest
-from ..reader import TensorReader
+from ..format.folder import COMMITTED, CORRUPT, EMPTY, LABEL, NEWER_FORMAT, RETIRED, TORN, folder_state
+from ..format.manifest import Manifest
+from ..protocol.reader import TensorReader
 from ..storage import Storage, StorageWrapper
 from ._common import (console, count_states, human_bytes, locate, print_json, progress_console, say, storage_option_flag,
                       storage_options, table, text)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from ..errors import CheckpointExistsError
-from ..export import FORMATS, export_checkpoint, import_checkpoint
+from ..interop.export import FORMATS, export_checkpoint, import_checkpoint
 from ..storage import open as open_storage
 from ._common import (CliError, CountingWrites, _value, console, human_bytes, locate, options_for, print_json,
                       progress_bar, say, storage_option_flag, storage_options, table, text)

@@ -9,12 +9,12 @@ from typing import Any
 import click
 import torch
 
-from .. import codec
-from ..checkpoint import read_committed
+from ..format import codec
+from ..protocol.checkpoint import read_committed
 from ..errors import CheckpointError
-from ..export import plain_values as leaf_values
-from ..export import read_tensors
-from ..manifest import Manifest, TensorEntry
+from ..interop.export import plain_values as leaf_values
+from ..interop.export import read_tensors
+from ..format.manifest import Manifest, TensorEntry
 from ..storage import Storage
 from ._common import (CliError, compact, console, decode, jsonable, locate, print_json, say,
                       storage_option_flag, storage_options)

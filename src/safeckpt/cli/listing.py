@@ -6,13 +6,13 @@ from typing import Any
 
 import click
 
-from ..checkpoint import read_committed
-from ..folderstate import COMMITTED, LABEL, RETIRED, TORN, folder_state
-from ..manager import CheckpointManager, step_folder
-from ..manifest import Manifest
+from ..protocol.checkpoint import read_committed
+from ..format.folder import COMMITTED, LABEL, RETIRED, TORN, folder_state
+from ..run.manager import CheckpointManager, step_folder
+from ..format.manifest import Manifest
 from ..storage import Storage
-from ..tensors import dtype_from_name, nbytes_of
-from ..export import plain_values as leaf_values
+from ..format.tensors import dtype_from_name, nbytes_of
+from ..interop.export import plain_values as leaf_values
 from ._common import (CliError, compact, console, count_states, decode, human_bytes, iso_time, jsonable, locate,
                       print_json, say, storage_option_flag, storage_options, table, text, when)
 

@@ -45,11 +45,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "pip install 'safeckpt[hf]'") from exc
 
 from ..errors import PartialLoadWarning, SafeckptWarning, SkippedCheckpointWarning, warn
-from ..asyncsave import SaveFuture
-from ..checkpoint import CheckpointInfo
-from ..manager import CheckpointManager
-from ..retention import Retention
-from ..shards import RankLocal
+from ..run.asyncsave import SaveFuture
+from ..protocol.checkpoint import CheckpointInfo
+from ..run.manager import CheckpointManager
+from ..run.retention import Retention
+from ..protocol.shards import RankLocal
 from ..storage import Storage, is_remote
 from ._fsdp import ShardedModel, ShardedOptimizer, is_fsdp, owner
 
@@ -216,8 +216,8 @@ def _deepspeed_state(accelerator: Any, state: dict) -> dict:
 
 def _save_deepspeed(accelerator: Any, mgr: CheckpointManager, step: int, metrics: dict | None,
                     meta: dict) -> CheckpointInfo:
-    from ..manager import step_folder
-    from ..sealing import seal
+    from ..run.manager import step_folder
+    from ..interop.sealing import seal
     folder = mgr.save_root.child(step_folder(step))
     for tag, engine in _engines(accelerator):
         engine.save_checkpoint(folder.url, tag, save_latest=False)

@@ -68,19 +68,19 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "pip install 'safeckpt[deepspeed]'") from exc
 
 from ..errors import CleanupWarning, SkippedCheckpointWarning, warn
-from ..checkpoint import _committed_for_group, new_save_id, read_committed, retire, verify
-from ..checksum import checksum, matches
-from ..commit import abort_summary, describe_error, not_visible
+from ..protocol.checkpoint import _committed_for_group, new_save_id, read_committed, retire, verify
+from ..format.checksum import checksum, matches
+from ..protocol.commit import abort_summary, describe_error, not_visible
 from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError,
                       StorageError, UnsafeObjectError)
-from ..group import resolve
-from ..manifest import Manifest
-from ..retention import Retention
-from ..sealing import seal
+from ..protocol.group import resolve
+from ..format.manifest import Manifest
+from ..run.retention import Retention
+from ..interop.sealing import seal
 from ..storage import LocalStorage, Storage
 from ..storage import open as open_storage
 from ..storage.local import fsync_folder
-from ..tiered import replicate
+from ..run.tiered import replicate
 
 __all__ = ["SAFE_GLOBALS", "SafeCheckpointEngine", "committed_tags", "install", "install_on_prepare"]
 

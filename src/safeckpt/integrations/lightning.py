@@ -55,14 +55,14 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         f"`pytorch_lightning` package is not supported) [{_exc}]") from _exc
 
 from ..errors import CleanupWarning, warn
-from ..asyncsave import AsyncSaver
-from ..checkpoint import CheckpointInfo, gc_paused, load_state, retire, save_request
-from ..commit import DATA_RE
+from ..run.asyncsave import AsyncSaver
+from ..protocol.checkpoint import CheckpointInfo, gc_paused, load_state, retire, save_request
+from ..protocol.commit import DATA_RE
 from ..errors import UnsafeObjectError
-from ..manifest import manifest_seq
-from ..garbage import garbage_in
-from ..group import SingleGroup
-from ..state import is_stateful
+from ..format.manifest import manifest_seq
+from ..run.garbage import garbage_in
+from ..protocol.group import SingleGroup
+from ..protocol.state import is_stateful
 from ..storage import Storage, is_remote
 from ..storage import open as open_storage
 

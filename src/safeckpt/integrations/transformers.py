@@ -45,14 +45,14 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from packaging.version import Version
 
 from ..errors import CleanupWarning, PartialLoadWarning, SafeckptWarning, SkippedCheckpointWarning, warn
-from .. import codec
-from ..checkpoint import load as safeckpt_load
-from ..checkpoint import read_committed, retire, save, verify
+from ..format import codec
+from ..protocol.checkpoint import load as safeckpt_load
+from ..protocol.checkpoint import read_committed, retire, save, verify
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..manifest import Manifest, manifest_seq
-from ..reader import TensorReader
-from ..sealing import seal
-from ..shards import RankLocal
+from ..format.manifest import Manifest, manifest_seq
+from ..protocol.reader import TensorReader
+from ..interop.sealing import seal
+from ..protocol.shards import RankLocal
 from ..storage import open as open_storage
 from ._fsdp import ShardedModel, ShardedOptimizer, is_fsdp
 

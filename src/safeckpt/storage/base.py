@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from typing import Iterable
 
 from ..errors import StorageError
-from ..names import is_shared, shared_location
+from ..format.names import is_shared, shared_location
 
 Buffer = bytes | bytearray | memoryview
 

@@ -17,10 +17,10 @@ from typing import NamedTuple, Union
 
 import torch
 
-from .checksum import STRONG, checksum
-from .manifest import Chunk, FileEntry, Manifest, is_shared
-from .plan import Box
-from .tensors import byte_view, to_storable
+from ..format.checksum import STRONG, checksum
+from ..format.manifest import Chunk, FileEntry, Manifest, is_shared
+from ..format.plan import Box
+from ..format.tensors import byte_view, to_storable
 
 CHUNK_SIZE = 4 << 20  # fine enough that a few changed rows rewrite little; few enough to list
 MIN_CHUNK_SIZE = 64  # at least one element of every dtype, so a chunk is one checksum block

@@ -38,20 +38,20 @@ from typing import Any, Callable, Iterable, Iterator, cast
 
 import torch
 
-from .errors import CleanupWarning, warn
-from . import codec as _codec
+from ..errors import CleanupWarning, warn
+from ..format import codec as _codec
 from . import hflayout, torchzip
-from .checkpoint import CheckpointInfo, read_committed
-from .checkpoint import save as safeckpt_save
-from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
+from ..protocol.checkpoint import CheckpointInfo, read_committed
+from ..protocol.checkpoint import save as safeckpt_save
+from ..errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError,
                      CorruptCheckpointError, UnsafeObjectError)
-from .manifest import Manifest
-from .plan import PlanError, check_coverage
-from .reader import TensorReader
-from .state import Read
-from .storage import Storage, is_remote
-from .storage import open as open_storage
-from .tensors import SAFETENSORS_DTYPES, byte_view, dtype_from_name, is_shape, nbytes_of
+from ..format.manifest import Manifest
+from ..format.plan import PlanError, check_coverage
+from ..protocol.reader import TensorReader
+from ..protocol.state import Read
+from ..storage import Storage, is_remote
+from ..storage import open as open_storage
+from ..format.tensors import SAFETENSORS_DTYPES, byte_view, dtype_from_name, is_shape, nbytes_of
 
 log = logging.getLogger("safeckpt")
 
@@ -769,7 +769,7 @@ def _fetch(url: str, tmp: str, storage_options: dict) -> str:
         import fsspec
     except ImportError as exc:
         raise ExportError(f"importing from {url} needs fsspec: pip install 'safeckpt[s3]'") from exc
-    from .storage.fsspec import object_store_error
+    from ..storage.fsspec import object_store_error
     try:
         fs, path = fsspec.core.url_to_fs(url, **storage_options)
         path = path.rstrip("/")

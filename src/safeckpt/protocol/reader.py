@@ -16,14 +16,14 @@ from typing import Any, Callable
 
 import torch
 
-from .checksum import checksum, file_checksum, matches
+from ..format.checksum import checksum, file_checksum, matches
 from .datafile import read_header_length
-from .errors import CorruptCheckpointError
-from .manifest import Chunk, Manifest
-from .plan import Box, byte_runs, overlap, volume
+from ..errors import CorruptCheckpointError
+from ..format.manifest import Chunk, Manifest
+from ..format.plan import Box, byte_runs, overlap, volume
 from .state import Read
-from .storage import Storage
-from .tensors import byte_view, dtype_from_name
+from ..storage import Storage
+from ..format.tensors import byte_view, dtype_from_name
 
 COALESCE_BELOW = 1 << 20
 COALESCE_MAX = 16 << 20

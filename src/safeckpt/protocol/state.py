@@ -16,12 +16,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import codec
-from .errors import StateMismatchError, UnsafeObjectError
-from .manifest import TensorEntry
-from .plan import Box, PieceInfo
+from ..format import codec
+from ..errors import StateMismatchError, UnsafeObjectError
+from ..format.manifest import TensorEntry
+from ..format.plan import Box, PieceInfo
 from .shards import RankLocal, Shard, dtensor_box, is_dtensor, is_sharded_tensor, sharded_tensor_box
-from .tensors import dtype_from_name, dtype_name, is_storable, to_storable
+from ..format.tensors import dtype_from_name, dtype_name, is_storable, to_storable
 
 
 _PLAIN = {torch.Tensor, dict, list, tuple, int, float, str, bool, type(None)}

@@ -34,16 +34,16 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from .checkpoint import load_manifest, read_committed
-from .checksum import checksum
-from .commit import (DATA_RE, SaveRun, describe_error, read_existing, refuse_existing, retire_replaced,
+from ..protocol.checkpoint import load_manifest, read_committed
+from ..format.checksum import checksum
+from ..protocol.commit import (DATA_RE, SaveRun, describe_error, read_existing, refuse_existing, retire_replaced,
                      write_manifest)
-from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, ReplicationWarning, SaveAbortedError,
+from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, ReplicationWarning, SaveAbortedError,
                      SkippedCheckpointWarning, StorageError, warn)
-from .group import TorchGroup, resolve
-from .manifest import Manifest, decode_manifest, encode_manifest, manifest_name, manifest_seq
-from .names import step_folder
-from .storage import Storage
+from ..protocol.group import TorchGroup, resolve
+from ..format.manifest import Manifest, decode_manifest, encode_manifest, manifest_name, manifest_seq
+from ..format.names import step_folder
+from ..storage import Storage
 from .tiered import _checked_parts, copy_file, file_checks
 
 if TYPE_CHECKING:

@@ -17,10 +17,10 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from .errors import WeakStorageWarning, warn
-from .errors import CheckpointExistsError
-from .names import LEASE_RE, lease_name
-from .storage import Storage
+from ..errors import WeakStorageWarning, warn
+from ..errors import CheckpointExistsError
+from ..format.names import LEASE_RE, lease_name
+from ..storage import Storage
 
 
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import time
 from typing import Any, Mapping
-from .errors import SkippedCheckpointWarning, warn
-from .checkpoint import read_committed
-from .commit import DATA_RE
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
-from .manifest import STEP_RE, Manifest, decode_manifest, is_shared, manifest_seq, shared_location
-from .names import RETIRED  # noqa: F401
-from .storage import Storage
+from ..errors import SkippedCheckpointWarning, warn
+from ..protocol.checkpoint import read_committed
+from ..protocol.commit import DATA_RE
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
+from ..format.manifest import STEP_RE, Manifest, decode_manifest, is_shared, manifest_seq, shared_location
+from ..format.names import RETIRED  # noqa: F401
+from ..storage import Storage
 
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptCheckpointError, UnsafeObjectError
+from ..errors import CorruptCheckpointError, UnsafeObjectError
 
 # safetensors' names for the dtypes it knows; other dtypes are stored as raw "U8".
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {

@@ -21,14 +21,14 @@ import os
 import time
 
 
-from .checkpoint import CheckpointInfo, new_save_id, plain_values, retire
-from .checksum import BLOCK_SIZE, file_checksum
-from .commit import DATA_RE, read_existing, write_manifest
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .manifest import (FileEntry, Manifest, check_relpath, encode_values, is_shared,
+from ..protocol.checkpoint import CheckpointInfo, new_save_id, plain_values, retire
+from ..format.checksum import BLOCK_SIZE, file_checksum
+from ..protocol.commit import DATA_RE, read_existing, write_manifest
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..format.manifest import (FileEntry, Manifest, check_relpath, encode_values, is_shared,
                        manifest_seq)
-from .storage import Storage
-from .storage import open as open_storage
+from ..storage import Storage
+from ..storage import open as open_storage
 
 __all__ = ["seal"]
 

@@ -22,9 +22,9 @@ from typing import Any, Callable
 
 import torch
 
-from .checkpoint import CheckpointInfo, SaveRequest, gc_paused, log_save, save_request
-from .group import resolve
-from .state import FlatState, Piece
+from ..protocol.checkpoint import CheckpointInfo, SaveRequest, gc_paused, log_save, save_request
+from ..protocol.group import resolve
+from ..protocol.state import FlatState, Piece
 
 log = logging.getLogger(__name__)
 

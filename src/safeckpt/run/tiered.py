@@ -15,13 +15,13 @@ import logging
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
-from .errors import ReplicationWarning, warn
-from .checksum import RunningChecksum, matches
-from .checkpoint import read_committed
-from .commit import DATA_RE
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError
-from .manifest import Manifest, manifest_name, manifest_seq, root_path
-from .storage import Storage
+from ..errors import ReplicationWarning, warn
+from ..format.checksum import RunningChecksum, matches
+from ..protocol.checkpoint import read_committed
+from ..protocol.commit import DATA_RE
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError
+from ..format.manifest import Manifest, manifest_name, manifest_seq, root_path
+from ..storage import Storage
 
 log = logging.getLogger(__name__)
 COPY_BLOCK = 16 << 20

@@ -15,22 +15,22 @@ import time
 import uuid
 from typing import Any, cast
 
-from .errors import CleanupWarning, ForeignRunWarning, SkippedCheckpointWarning, warn
+from ..errors import CleanupWarning, ForeignRunWarning, SkippedCheckpointWarning, warn
 from . import garbage
 from .asyncsave import AsyncSaver, SaveFuture, background_group
-from .checkpoint import CheckpointInfo, load, log_save, retire, save_request
-from .folderstate import COMMITTED, CORRUPT, NEWER_FORMAT, RETIRED, folder_state
-from .incremental import CHUNK_SIZE, MIN_CHUNK_SIZE
+from ..protocol.checkpoint import CheckpointInfo, load, log_save, retire, save_request
+from ..format.folder import COMMITTED, CORRUPT, NEWER_FORMAT, RETIRED, folder_state
+from ..protocol.incremental import CHUNK_SIZE, MIN_CHUNK_SIZE
 from .tiered import Replicator, tier_candidates
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
-from .group import SingleGroup, TorchGroup, resolve
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
+from ..protocol.group import SingleGroup, TorchGroup, resolve
 from .lease import WriterLease
-from .manifest import Manifest
-from .names import STEP_RE, step_folder
+from ..format.manifest import Manifest
+from ..format.names import STEP_RE, step_folder
 from .nodes import NodeLayout, NodeTier
 from .retention import Retention
-from .storage import Storage
-from .storage import open as open_storage
+from ..storage import Storage
+from ..storage import open as open_storage
 
 log = logging.getLogger(__name__)
 

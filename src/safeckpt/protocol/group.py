@@ -13,7 +13,7 @@ import os
 import threading
 from typing import Any
 
-from .errors import SaveAbortedError
+from ..errors import SaveAbortedError
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("SAFECKPT_TIMEOUT", "300"))
 

@@ -18,19 +18,19 @@ from typing import Any, Callable, TypeVar, Union
 
 import torch
 
-from .errors import PartialLoadWarning, SkippedCheckpointWarning, warn
-from . import codec
-from . import errors as errors_module
+from ..errors import PartialLoadWarning, SkippedCheckpointWarning, warn
+from ..format import codec
+from .. import errors as errors_module
 from .commit import DATA_RE, SaveRun, read_existing
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError, UnsupportedFormatError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError, UnsupportedFormatError
 from .group import resolve
-from .manifest import (Manifest, decode_manifest, encode_values, is_shared, manifest_name, manifest_seq,
+from ..format.manifest import (Manifest, decode_manifest, encode_values, is_shared, manifest_name, manifest_seq,
                        shared_location)
-from .plan import overlap
+from ..format.plan import overlap
 from .reader import TensorReader
 from .state import FlatState, LoadPlanner, flatten
-from .storage import Storage
-from .storage import open as open_storage
+from ..storage import Storage
+from ..storage import open as open_storage
 
 PathLike = Union[str, "os.PathLike[str]", Storage]  # a path, file:// or other storage URL, or a Storage
 log = logging.getLogger(__name__)

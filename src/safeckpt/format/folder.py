@@ -4,11 +4,11 @@ format, empty or retired. ``CheckpointManager`` (listing, restore, retention) an
 
 from __future__ import annotations
 
-from .checkpoint import read_committed
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
-from .garbage import RETIRED as RETIRED_MARKER
+from ..protocol.checkpoint import read_committed
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from ..run.garbage import RETIRED as RETIRED_MARKER
 from .manifest import Manifest
-from .storage import Storage
+from ..storage import Storage
 
 COMMITTED = "committed"        # a valid manifest: the checkpoint loads
 TORN = "torn"                  # files but no manifest: a save that was killed (or is still running)

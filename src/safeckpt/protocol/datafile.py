@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Generator, Iterator
 
 import torch
 
-from .checksum import block_checksums
-from .tensors import SAFETENSORS_DTYPES, byte_view, to_storable
+from ..format.checksum import block_checksums
+from ..format.tensors import SAFETENSORS_DTYPES, byte_view, to_storable
 
 if TYPE_CHECKING:
-    from .storage import Storage
+    from ..storage import Storage
 
 COALESCE_BELOW = 1 << 20  # pieces smaller than this are gathered into one write
 COALESCE_BUFFER = 8 << 20

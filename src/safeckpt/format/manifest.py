@@ -17,7 +17,7 @@ from typing import Any
 
 from . import codec
 from .checksum import ALGORITHM, BLOCK_SIZE, checksum, is_checksum
-from .errors import CorruptCheckpointError, UnsupportedFormatError
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from .names import MANIFEST_RE, STEP_RE, is_shared, manifest_name, manifest_seq, root_path, shared_location  # noqa: F401
 from .plan import PlanError, check_coverage
 from .tensors import dtype_from_name, is_shape

@@ -19,19 +19,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, cast
 
-from .errors import CleanupWarning, warn
-from .checksum import BLOCK_SIZE, checksum
+from ..errors import CleanupWarning, warn
+from ..format.checksum import BLOCK_SIZE, checksum
 from .datafile import WrittenPiece, plan_layout, write_data_file
-from .names import DATA_RE, data_file_name  # noqa: F401
+from ..format.names import DATA_RE, data_file_name  # noqa: F401
 from .incremental import ChunkDigest, Source, Stored, chunk_key, digest_pieces, plan_reuse, reuse_index
-from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError,
+from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError,
                      UnsupportedFormatError)
 from .group import SingleGroup, TorchGroup
-from .manifest import (Chunk, FileEntry, Manifest, TensorEntry, encode_manifest, is_shared, manifest_name,
+from ..format.manifest import (Chunk, FileEntry, Manifest, TensorEntry, encode_manifest, is_shared, manifest_name,
                        manifest_seq)
-from .plan import PieceInfo, PlanError, assign_writes, check_coverage
+from ..format.plan import PieceInfo, PlanError, assign_writes, check_coverage
 from .state import FlatState
-from .storage import Storage
+from ..storage import Storage
 
 VISIBILITY_WAIT_S = 5.0
 
@@ -367,7 +367,7 @@ def retire_replaced(storage: Storage, old: Manifest | None, manifest: Manifest) 
     if old is None:
         return
     from .checkpoint import retire  # the deletion order lives with the checkpoint
-    from .garbage import shared_by_siblings
+    from ..run.garbage import shared_by_siblings
 
     try:
         # an incremental checkpoint's files may be read by later ones: spare those

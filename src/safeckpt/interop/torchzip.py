@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
 _CHECK_BLOCK = 1 << 20

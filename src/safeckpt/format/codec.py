@@ -20,7 +20,7 @@ from typing import Any, Callable, Container, cast
 import numpy as np
 import torch
 
-from .errors import CheckpointError, CorruptCheckpointError, UnsafeObjectError
+from ..errors import CheckpointError, CorruptCheckpointError, UnsafeObjectError
 
 JSON = Any
 _SAFE_INT = 2**53

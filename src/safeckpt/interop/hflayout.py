@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from . import codec
-from .errors import CheckpointError
-from .manifest import Manifest
+from ..format import codec
+from ..errors import CheckpointError
+from ..format.manifest import Manifest
 
 CONFIG = "config"            # the state key (or metadata key) that holds a model's config
 CONFIG_FILE = "config.json"

@@ -42,7 +42,7 @@ def async_server():
 def _no_error_left_behind():
     """A test must never leave an unseen error in the shared ``async_save`` saver."""
     yield
-    from safeckpt import asyncsave
+    from safeckpt.run import asyncsave
     if asyncsave._default is not None:
         asyncsave._default.wait()
 
@@ -319,7 +319,7 @@ def test_staging_buffers_are_reused_and_one_save_is_in_flight(tmp_path, monkeypa
 
 
 def test_async_save_function_reuses_its_buffers(tmp_path):
-    from safeckpt import asyncsave
+    from safeckpt.run import asyncsave
     state = make_state(1)
     safeckpt.async_save(state, tmp_path / "a").result(timeout=60)
     pool = asyncsave._default.pool

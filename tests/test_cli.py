@@ -25,8 +25,9 @@ import torch
 
 import safeckpt
 from s3servers import free_ports, moto_server, s3_bucket, seaweedfs_server  # noqa: F401
-from safeckpt.protocol.checkpoint import read_committed
-from safeckpt.interop.export import ExportError, parse_size, plan_shards, read_dcp, read_safetensors
+from safeckpt.format.folder import read_committed
+from safeckpt.interop.export import ExportError, parse_size, plan_shards
+from safeckpt.interop.imports import read_dcp, read_safetensors
 from safeckpt.storage import open as open_storage
 
 SRC = str(Path(safeckpt.__file__).resolve().parent.parent)

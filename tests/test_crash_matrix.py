@@ -35,10 +35,10 @@ import torch
 
 import safeckpt
 from safeckpt.run.lease import LEASE_RE
-from safeckpt.protocol.checkpoint import read_committed
+from safeckpt.format.folder import read_committed
 from safeckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from safeckpt.run.garbage import RETIRED
-from safeckpt.run.manager import step_folder
+from safeckpt.format.names import step_folder
 from safeckpt.format.manifest import is_shared, manifest_seq
 from safeckpt.storage import Storage
 from safeckpt.testing import PROFILES, crash_points

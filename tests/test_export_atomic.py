@@ -25,7 +25,8 @@ import torch
 
 import safeckpt
 from safeckpt.cli import main as cli_main
-from safeckpt.interop.export import export_checkpoint, import_checkpoint, read_dcp
+from safeckpt.interop.export import export_checkpoint
+from safeckpt.interop.imports import import_checkpoint, read_dcp
 
 st = pytest.importorskip("safetensors.torch")
 
@@ -239,7 +240,7 @@ PROBE = """
 import json, sys, threading, time
 import torch
 import torch.distributed.checkpoint  # imported before the baseline: its modules are not the import's memory
-from safeckpt.interop.export import import_checkpoint
+from safeckpt.interop.imports import import_checkpoint
 
 def anon_kib():
     with open("/proc/self/status") as f:

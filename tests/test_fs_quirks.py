@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt.protocol.checkpoint import read_committed
+from safeckpt.format.folder import read_committed
 from safeckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 
 

@@ -37,10 +37,10 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt import garbage
-from safeckpt.protocol.checkpoint import read_committed
+from safeckpt.run import garbage
+from safeckpt.format.folder import read_committed
 from safeckpt.protocol.incremental import split_box
-from safeckpt.run.manager import step_folder
+from safeckpt.format.names import step_folder
 from safeckpt.format.manifest import is_shared
 from safeckpt.storage import LocalStorage
 from safeckpt.storage import open as open_storage
@@ -145,7 +145,7 @@ def check_reachability(root: Path, mgr: safeckpt.CheckpointManager, collected: b
             assert garbage.RETIRED not in names, f"{folder} is committed and marked retired: {names}"
             continue
         assert garbage.RETIRED in names, f"{folder} is neither committed nor retired: {names}"
-        assert mgr._read(step)[0] == "retired"
+        assert mgr._read(step).state == "retired"
         data = {n for n in names if n.startswith("data-")}
         assert data >= referenced.get(folder, set()) and (data == referenced.get(folder, set()) or not collected), (
             f"retired {folder} holds {sorted(data)}, committed checkpoints reference "
@@ -338,7 +338,7 @@ def test_lora_saves_write_only_the_trainable_part(tmp_path):
         assert set(step_dirs(root)) == expect_dirs, (step, step_dirs(root))
         if step >= 3:
             assert sorted(os.listdir(root / step_folder(1))) == sorted([first_file.name, garbage.RETIRED])
-            assert mgr._read(1)[0] == "retired"
+            assert mgr._read(1).state == "retired"
         check_reachability(root, mgr)
         # bounded: the base once, the adapters of the kept steps, manifests and a lease
         on_disk = files_under(root)

@@ -84,7 +84,7 @@ def test_metrics_and_metadata_are_recorded(tmp_path):
     mgr = safeckpt.CheckpointManager(tmp_path)
     info = mgr.save(5, _state(5), metrics={"loss": 0.5}, metadata={"run": "a"})
     assert info.step == 5 and info.bytes > 0 and info.metadata == {"run": "a"}
-    from safeckpt.protocol.checkpoint import read_committed
+    from safeckpt.format.folder import read_committed
     from safeckpt.storage import open as open_storage
     m = read_committed(open_storage(mgr.path(5)))
     assert m.step == 5 and m.metrics == {"loss": 0.5} and m.metadata == {"run": "a"}

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 import safeckpt  # noqa: E402
-from safeckpt.run.manager import step_folder  # noqa: E402
+from safeckpt.format.names import step_folder  # noqa: E402
 from safeckpt.run.nodes import read_holdings  # noqa: E402
 from safeckpt.storage import LocalStorage  # noqa: E402
 

@@ -474,13 +474,13 @@ CHILD = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[3])
 import safeckpt
-from safeckpt.storage.fsspec import FsspecStorage
+from safeckpt.storage.s3 import S3Storage
 
 def state(step):
     return {"w": torch.arange(3 << 20, dtype=torch.float32) + step,
             "v": torch.full((1000,), step, dtype=torch.int64), "step": step}
 
-root = FsspecStorage(sys.argv[1], part_size=5 << 20, parallel_parts=2, **json.loads(sys.argv[2]))
+root = S3Storage(sys.argv[1], part_size=5 << 20, parallel_parts=2, **json.loads(sys.argv[2]))
 mgr = safeckpt.CheckpointManager(root, keep_last=2)
 step = 0
 while step < 200:

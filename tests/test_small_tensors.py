@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import safeckpt
-from safeckpt import datafile
+from safeckpt.protocol import datafile
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.uint8,
           torch.complex64, torch.float8_e4m3fn, torch.int8]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt.protocol.checkpoint import read_committed
+from safeckpt.format.folder import read_committed
 from safeckpt.errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from safeckpt.storage import LocalStorage
 from safeckpt.testing import (DISK_PROFILES, Fault, FaultyStorage, MemoryObjectStore, SimulatedCrash,

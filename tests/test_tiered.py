@@ -35,9 +35,9 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt import garbage
-from safeckpt.protocol.checkpoint import read_committed
-from safeckpt.run.manager import STEP_RE, step_folder
+from safeckpt.run import garbage
+from safeckpt.format.folder import read_committed
+from safeckpt.format.names import STEP_RE, step_folder
 from safeckpt.format.manifest import is_shared
 from safeckpt.storage import LocalStorage
 from safeckpt.storage import open as open_storage

@@ -19,6 +19,10 @@ from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundE
 if TYPE_CHECKING:
     from .run.asyncsave import SaveFuture, async_save
     from .protocol.checkpoint import CheckpointInfo, VerifyReport, load, load_state, save, verify
+    from .format.states import CheckpointState
+    from .interop.export import export_checkpoint
+    from .interop.imports import import_checkpoint
+    from .run.listing import CheckpointStatus, list_checkpoints
     from .run.manager import CheckpointManager
     from .interop.sealing import seal
     from .protocol.shards import RankLocal, Shard
@@ -30,13 +34,15 @@ _LAZY = {
     "save": "protocol.checkpoint", "load": "protocol.checkpoint", "load_state": "protocol.checkpoint", "verify": "protocol.checkpoint",
     "CheckpointInfo": "protocol.checkpoint", "VerifyReport": "protocol.checkpoint", "async_save": "run.asyncsave",
     "SaveFuture": "run.asyncsave", "CheckpointManager": "run.manager", "seal": "interop.sealing", "Shard": "protocol.shards",
-    "RankLocal": "protocol.shards",
+    "RankLocal": "protocol.shards", "list_checkpoints": "run.listing", "CheckpointStatus": "run.listing",
+    "CheckpointState": "format.states", "export_checkpoint": "interop.export", "import_checkpoint": "interop.imports",
 }
 
 __all__ = [
     "__version__", "save", "async_save", "load", "load_state", "verify", "CheckpointInfo",
     "VerifyReport", "SaveFuture", "Shard", "RankLocal", "UnsupportedFormatError", "seal",
-    "CheckpointManager", "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError",
+    "CheckpointManager", "list_checkpoints", "CheckpointStatus", "CheckpointState", "export_checkpoint",
+    "import_checkpoint", "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError",
     "CorruptCheckpointError", "SaveAbortedError", "StateMismatchError", "StorageError",
     "UnsafeObjectError", "UnsupportedFeatureError",
     "SafeckptWarning", "SkippedCheckpointWarning", "CleanupWarning", "ForeignRunWarning",

@@ -47,7 +47,8 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.futures import Future
 
 from .format import codec
-from .protocol.checkpoint import PathLike, new_save_id, plain_values, read_committed
+from .protocol.checkpoint import PathLike, new_save_id, plain_values
+from .format.folder import read_committed
 from .format.checksum import checksum
 from .protocol.commit import (check_visible, data_file_name, describe_error, read_existing, refuse_existing, remove_quietly,
                      retire_replaced, write_manifest)

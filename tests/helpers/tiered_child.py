@@ -74,7 +74,7 @@ def mode_tiered_kill(local: str, durable: str, progress: str, point: str, steps:
     """Save ``steps`` through a tiered manager (waiting for the durable copy of every
     step but the last), then stall the durable copy of the last one at ``point``."""
     import safeckpt
-    from safeckpt.run.manager import step_folder
+    from safeckpt.format.names import step_folder
     from safeckpt.storage import open as open_storage
 
     report = _Progress(progress)

@@ -10,6 +10,7 @@ the traceback instead. See docs/cli.md.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import warnings
@@ -22,7 +23,37 @@ from ._common import CliError, debug, set_debug
 __all__ = ["cli", "main"]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+# name -> (module, command, one line for `safeckpt --help`); a command's module (and
+# torch, which most of them need) is imported only when that command runs
+_COMMANDS = {
+    "ls": ("listing", "ls_command", "List the checkpoints of a run root with their status."),
+    "show": ("listing", "show_command", "Show the tensors, values and metadata of a checkpoint."),
+    "verify": ("check", "verify_command", "Read every byte and check every checksum."),
+    "gc": ("check", "gc_command", "Remove what interrupted saves left behind."),
+    "export": ("convert", "export_command", "Consolidate a checkpoint into safetensors or torch files."),
+    "import": ("convert", "import_command", "Bring in a torch.save, safetensors, HF or DCP checkpoint."),
+    "diff": ("diff", "diff_command", "Compare two checkpoints tensor by tensor."),
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(_COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in _COMMANDS:
+            return None
+        module, attr, short_help = _COMMANDS[name]
+        command: click.Command = getattr(importlib.import_module(f".{module}", __name__), attr)
+        command.short_help = short_help
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, _COMMANDS[name][2]) for name in self.list_commands(ctx)])
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, "--version", prog_name="safeckpt", message="%(prog)s %(version)s")
 @click.option("--debug", is_flag=True, help="show the traceback of an error (also $SAFECKPT_DEBUG=1)")
 def cli(debug: bool) -> None:
@@ -34,17 +65,6 @@ def cli(debug: bool) -> None:
     object). Errors are one line on stderr and exit status 2; verify and diff exit 1
     for what they find."""
     set_debug(debug)
-
-
-def _register() -> None:
-    from . import check, convert, diff, listing
-
-    for module in (listing, check, convert, diff):
-        for command in module.COMMANDS:
-            cli.add_command(command)
-
-
-_register()
 
 
 def _one_line(exc: "BaseException | str") -> str:

@@ -14,11 +14,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 import click
 
-from ..format import codec
-from ..protocol.checkpoint import read_committed
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsafeObjectError
-from ..format.manifest import STEP_RE
-from ..format.manifest import manifest_seq
+from ..format.states import CheckpointState
+from ..format.names import STEP_RE, manifest_seq
 from ..storage import Storage, StorageWrapper
 from ..storage import open as open_storage
 
@@ -34,7 +32,7 @@ class CliError(click.ClickException):
 # --------------------------------------------------------------------------- storage options
 
 
-def _value(text: str) -> Any:
+def parse_value(text: str) -> Any:
     """``true``/``false``/``null``, numbers and JSON objects/arrays are parsed; anything
     else stays a string (quote a string that looks like JSON: ``key='"123"'``)."""
     stripped = text.strip()
@@ -81,7 +79,7 @@ def storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise click.UsageError(f"--storage-option {key}: {part} is not a nested option")
-        node[leaf] = text if leaf in _ALWAYS_STRINGS else _value(text)
+        node[leaf] = text if leaf in _ALWAYS_STRINGS else parse_value(text)
     return options
 
 
@@ -237,11 +235,9 @@ def iso_time(seconds: float) -> str:
 def count_states(states: Any) -> str:
     """``3 committed, 1 torn``: how many folders are in each state, in the states' order
     (committed always shown)."""
-    from ..format.folder import COMMITTED, STATES
-
     found = list(states)
-    return ", ".join(f"{found.count(s)} {s.replace('_', ' ')}" for s in STATES
-                     if s == COMMITTED or s in found)
+    return ", ".join(f"{found.count(s)} {s.value.replace('_', ' ')}" for s in CheckpointState
+                     if s is CheckpointState.COMMITTED or s in found)
 
 
 def compact(value: Any, limit: int = 80) -> str:
@@ -278,6 +274,8 @@ PICKLED = "<pickled object: not decoded>"
 def decode(node: Any, key: str) -> Any:
     """Decode an encoded value for display; pickled values are never unpickled."""
     try:
+        from ..format import codec  # imports torch: only commands that read values ask
+
         return codec.decode_value(node, key, allow_pickle=False)
     except UnsafeObjectError:
         return PICKLED
@@ -309,6 +307,8 @@ def locate(path: str, options: dict[str, Any]) -> Place:
     if steps:
         return Place(storage, "root", steps)
     if not listing:
+        from ..format.folder import read_committed
+
         read_committed(storage, listing)  # raises, saying whether it is a file or nothing
     raise CheckpointNotFoundError(
         f"no checkpoint at {storage.url}: it has no manifest and no step-NNNNNNNNN folders "

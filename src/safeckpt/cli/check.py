@@ -12,8 +12,7 @@ import click
 
 from ..run import garbage
 from ..errors import CheckpointError
-from ..format.folder import COMMITTED, CORRUPT, EMPTY, LABEL, NEWER_FORMAT, RETIRED, TORN, folder_state
-from ..format.manifest import Manifest
+from ..format.folder import CheckpointState, folder_state
 from ..protocol.reader import TensorReader
 from ..storage import Storage, StorageWrapper
 from ._common import (console, count_states, human_bytes, locate, print_json, progress_console, say, storage_option_flag,
@@ -38,14 +37,14 @@ class Checked:
 
     path: str
     step: int | None = None
-    status: str = COMMITTED     # a folderstate state; CORRUPT also when data fails its checksums
+    status: CheckpointState = CheckpointState.COMMITTED  # CheckpointState.CORRUPT also when data fails its checksums
     problems: list[str] = field(default_factory=list)
     file_count: int = 0
     bytes: int = 0              # bytes of the folder's own files (as in ls)
     bytes_read: int = 0         # bytes read and checked: its own files and the data it shares
 
     def as_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "step": self.step, "status": self.status, "problems": self.problems,
+        return {"path": self.path, "step": self.step, "status": self.status.value, "problems": self.problems,
                 "file_count": self.file_count, "bytes": self.bytes, "bytes_read": self.bytes_read}
 
 
@@ -64,9 +63,10 @@ def verify_all(storages: list[Storage], jobs: int, progress: Any = None) -> list
     results = [Checked(s.url) for s in storages]
     work: list[tuple[Checked, Storage, Any, str, int]] = []
     for result, storage in zip(results, storages):
-        result.status, manifest = folder_state(storage)
-        if not isinstance(manifest, Manifest):
-            result.problems = [] if result.status == RETIRED else [manifest]
+        found = folder_state(storage)
+        result.status, manifest = found.state, found.manifest
+        if manifest is None:
+            result.problems = [] if result.status is CheckpointState.RETIRED else [found.problem]
             result.bytes = sum(size for size in storage.listdir().values() if size is not None)
             continue
         result.step, result.file_count, result.bytes = manifest.step, len(manifest.files), manifest.total_bytes
@@ -93,12 +93,12 @@ def verify_all(storages: list[Storage], jobs: int, progress: Any = None) -> list
             result, size = futures[future]
             problems = future.result()
             if problems:
-                result.status = CORRUPT
+                result.status = CheckpointState.CORRUPT
                 result.problems += problems
     return results
 
 
-@click.command("verify", short_help="Read every byte and check every checksum.")
+@click.command("verify")
 @click.argument("paths", nargs=-1, required=True, metavar="PATH...")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=8, show_default=True,
               help="files read and checked at once")
@@ -127,23 +127,23 @@ def verify_command(paths: tuple[str, ...], jobs: int, as_json: bool, storage_opt
     else:
         out = console()
         for r in results:
-            label = LABEL[r.status].split(" (")[0].ljust(14)
-            if r.status == COMMITTED:
+            label = r.status.label.split(" (")[0].ljust(14)
+            if r.status == CheckpointState.COMMITTED:
                 say(out, f"{label}{r.path}  ({r.file_count} file(s), {human_bytes(r.bytes_read)}, every checksum matches)")
             else:
                 say(out, f"{label}{r.path}  ({_WHY[r.status]})")
-                for p in r.problems if r.status in (CORRUPT, NEWER_FORMAT) else []:
+                for p in r.problems if r.status in (CheckpointState.CORRUPT, CheckpointState.NEWER_FORMAT) else []:
                     say(out, f"  - {p}")
         say(out, f"checked {len(results)} checkpoint folder(s), {human_bytes(sum(r.bytes_read for r in results))} "
                  f"read in {seconds:.1f}s: {count_states(r.status for r in results)}")
-    return 1 if any(r.status in (CORRUPT, NEWER_FORMAT) for r in results) else 0
+    return 1 if any(r.status in (CheckpointState.CORRUPT, CheckpointState.NEWER_FORMAT) for r in results) else 0
 
 
-_WHY = {TORN: "no manifest: a save that never committed; 'safeckpt gc' removes its files",
-        EMPTY: "nothing in it",
-        RETIRED: "deleted by retention; keeps data newer checkpoints share",
-        CORRUPT: "problems below",
-        NEWER_FORMAT: "written by a newer safeckpt: this one cannot check it"}
+_WHY = {CheckpointState.TORN: "no manifest: a save that never committed; 'safeckpt gc' removes its files",
+        CheckpointState.EMPTY: "nothing in it",
+        CheckpointState.RETIRED: "deleted by retention; keeps data newer checkpoints share",
+        CheckpointState.CORRUPT: "problems below",
+        CheckpointState.NEWER_FORMAT: "written by a newer safeckpt: this one cannot check it"}
 
 
 def _sizes(root: Storage, names: list[str], single: bool) -> dict[str, int]:
@@ -160,7 +160,7 @@ def _sizes(root: Storage, names: list[str], single: bool) -> dict[str, int]:
     return sizes
 
 
-@click.command("gc", short_help="Remove what interrupted saves left behind.")
+@click.command("gc")
 @click.argument("root")
 @click.option("--dry-run", is_flag=True, help="only list what would be removed")
 @click.option("--min-age", type=click.FloatRange(min=0), default=3600, show_default=True, metavar="SECONDS",
@@ -212,5 +212,3 @@ def gc_command(root: str, dry_run: bool, min_age: float, as_json: bool, storage_
         say(out, f"aborted {aborted} stale multipart upload(s)")
     return 0
 
-
-COMMANDS = [verify_command, gc_command]

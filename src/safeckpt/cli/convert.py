@@ -6,13 +6,14 @@ from __future__ import annotations
 import click
 
 from ..errors import CheckpointExistsError
-from ..interop.export import FORMATS, export_checkpoint, import_checkpoint
+from ..interop.export import export_checkpoint
+from ..interop.imports import FORMATS, import_checkpoint
 from ..storage import open as open_storage
-from ._common import (CliError, CountingWrites, _value, console, human_bytes, locate, options_for, print_json,
+from ._common import (CliError, CountingWrites, parse_value, console, human_bytes, locate, options_for, print_json,
                       progress_bar, say, storage_option_flag, storage_options, table, text)
 
 
-@click.command("export", short_help="Consolidate a checkpoint into safetensors or torch files.")
+@click.command("export")
 @click.argument("ckpt")
 @click.argument("out")
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "torch"]), default="safetensors",
@@ -81,11 +82,11 @@ def _metadata(pairs: tuple[str, ...]) -> dict:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise click.UsageError(f"--metadata takes KEY=VALUE, not {pair!r}")
-        meta[key] = _value(value)
+        meta[key] = parse_value(value)
     return meta
 
 
-@click.command("import", short_help="Bring in a torch.save, safetensors, HF or DCP checkpoint.")
+@click.command("import")
 @click.argument("src")
 @click.argument("dest")
 @click.option("--format", "fmt", type=click.Choice(["auto", *FORMATS]), default="auto", show_default=True,
@@ -123,5 +124,3 @@ def import_command(src: str, dest: str, fmt: str, under: str | None, metadata: t
                          f"{len(info.files)} file(s), save id {info.save_id}")
     return 0
 
-
-COMMANDS = [export_command, import_command]

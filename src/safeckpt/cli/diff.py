@@ -10,10 +10,9 @@ import click
 import torch
 
 from ..format import codec
-from ..protocol.checkpoint import read_committed
+from ..format.folder import read_committed
 from ..errors import CheckpointError
-from ..interop.export import plain_values as leaf_values
-from ..interop.export import read_tensors
+from ..interop.export import leaf_values, read_tensors
 from ..format.manifest import Manifest, TensorEntry
 from ..storage import Storage
 from ._common import (CliError, compact, console, decode, jsonable, locate, print_json, say,
@@ -212,7 +211,7 @@ def _shape(e: dict) -> str:
     return f"{e['dtype']} [{', '.join(map(str, e['shape']))}]"
 
 
-@click.command("diff", short_help="Compare two checkpoints tensor by tensor.")
+@click.command("diff")
 @click.argument("a")
 @click.argument("b")
 @click.option("--atol", type=click.FloatRange(min=0), default=0.0, show_default=True,
@@ -275,5 +274,3 @@ def diff_command(a: str, b: str, atol: float, verify: bool, as_json: bool, stora
     say(out, ("identical: " if d.identical else "different: ") + summary)
     return 0 if d.identical else 1
 
-
-COMMANDS = [diff_command]

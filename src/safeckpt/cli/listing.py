@@ -6,45 +6,34 @@ from typing import Any
 
 import click
 
-from ..protocol.checkpoint import read_committed
-from ..format.folder import COMMITTED, LABEL, RETIRED, TORN, folder_state
-from ..run.manager import CheckpointManager, step_folder
+from ..format.folder import CheckpointState, read_committed
+from ..run.listing import CheckpointStatus, checkpoint_status, list_checkpoints
 from ..format.manifest import Manifest
 from ..storage import Storage
 from ..format.tensors import dtype_from_name, nbytes_of
-from ..interop.export import plain_values as leaf_values
+from ..interop.export import leaf_values
 from ._common import (CliError, compact, console, count_states, decode, human_bytes, iso_time, jsonable, locate,
                       print_json, say, storage_option_flag, storage_options, table, text, when)
 
 
-def _row(storage: Storage, step: int | None, state: str, found: Manifest | str) -> dict[str, Any]:
+def _row(c: CheckpointStatus) -> dict[str, Any]:
     """One checkpoint folder as a plain record (the ``--json`` row)."""
-    row: dict[str, Any] = {"step": step, "path": storage.url, "status": state}
-    if isinstance(found, Manifest):
-        m = found
-        row.update(step=m.step if step is None else step, bytes=m.total_bytes, shared_bytes=m.shared_bytes(),
-                   created=m.created, time=iso_time(m.created), world_size=m.world_size,
-                   metrics=jsonable(m.metrics), metadata=jsonable(m.metadata), save_id=m.save_id,
-                   file_count=len(m.files), tensor_count=len(m.tensors), problems=[])
-    else:
-        listing = storage.listdir()
-        row.update(bytes=sum(s for s in listing.values() if s is not None), shared_bytes=0, created=None,
-                   time=None, world_size=None, metrics={}, metadata={}, save_id=None,
-                   file_count=sum(1 for s in listing.values() if s is not None), tensor_count=None,
-                   problems=[] if state == RETIRED else [found])
-    return row
+    problems = [] if c.state in (CheckpointState.COMMITTED, CheckpointState.RETIRED) else [c.problem]
+    return {"step": c.step, "path": c.path, "status": c.state.value, "bytes": c.bytes,
+            "shared_bytes": c.shared_bytes, "created": c.created,
+            "time": None if c.created is None else iso_time(c.created), "world_size": c.world_size,
+            "metrics": jsonable(c.metrics), "metadata": jsonable(c.metadata), "save_id": c.save_id,
+            "file_count": c.file_count, "tensor_count": c.tensor_count, "problems": problems}
 
 
 def _rows(path: str, options: dict) -> list[dict[str, Any]]:
     place = locate(path, options)
     if place.kind == "checkpoint":
-        return [_row(place.storage, None, *folder_state(place.storage))]
-    manager = CheckpointManager(place.storage)  # its listing and validity rules, nothing written
-    return [_row(place.storage.child(step_folder(step)), step, *manager._read(step))
-            for step in manager._step_folders()]
+        return [_row(checkpoint_status(place.storage))]
+    return [_row(c) for c in list_checkpoints(place.storage)]
 
 
-@click.command("ls", short_help="List the checkpoints of a run root with their status.")
+@click.command("ls")
 @click.argument("root")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON list (step, path, status, bytes, metrics, ...)")
 @storage_option_flag
@@ -68,11 +57,11 @@ def ls_command(root: str, as_json: bool, storage_option: tuple[str, ...]) -> int
                   text(human_bytes(r["bytes"])), text(human_bytes(r["shared_bytes"]) if r["shared_bytes"] else "-"),
                   text(r["world_size"] or "-"),
                   text(compact(r["metrics"]) if r["metrics"] else "-"),
-                  text(LABEL[r["status"]]))
+                  text(CheckpointState(r["status"]).label))
     out.print(t)
     say(out, f"{len(rows)} checkpoint folder(s) in {root}: {count_states(r['status'] for r in rows)}")
     for r in rows:
-        if r["status"] not in (COMMITTED, TORN, RETIRED):
+        if r["status"] not in (CheckpointState.COMMITTED, CheckpointState.TORN, CheckpointState.RETIRED):
             say(out, f"  step {r['step']}: {'; '.join(r['problems'])}")
     return 0
 
@@ -91,7 +80,7 @@ def describe_checkpoint(storage: Storage, m: Manifest, select: str | None) -> di
                         "bytes": nbytes_of(e.shape, dtype_from_name(e.dtype, name))})
     values = {k: jsonable(decode(v, k)) for k, v in leaf_values(m.tree).items()
               if not select or k.startswith(select)}
-    return {"path": storage.url, "step": m.step, "status": COMMITTED, "save_id": m.save_id, "seq": m.seq,
+    return {"path": storage.url, "step": m.step, "status": CheckpointState.COMMITTED.value, "save_id": m.save_id, "seq": m.seq,
             "format_version": m.version, "created": m.created, "time": iso_time(m.created),
             "world_size": m.world_size, "bytes": m.total_bytes, "shared_bytes": m.shared_bytes(),
             "files": [{"name": f.name, "bytes": f.size, "rank": f.rank} for f in m.files.values()],
@@ -99,7 +88,7 @@ def describe_checkpoint(storage: Storage, m: Manifest, select: str | None) -> di
             "metrics": jsonable(m.metrics)}
 
 
-@click.command("show", short_help="Show the tensors, values and metadata of a checkpoint.")
+@click.command("show")
 @click.argument("ckpt")
 @click.option("--json", "as_json", is_flag=True, help="print the description as JSON")
 @click.option("--select", metavar="PREFIX", help="only tensors and values whose name starts with PREFIX")
@@ -152,5 +141,3 @@ def show_command(ckpt: str, as_json: bool, select: str | None, storage_option: t
         out.print(v)
     return 0
 
-
-COMMANDS = [ls_command, show_command]

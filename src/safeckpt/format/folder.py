@@ -1,43 +1,186 @@
-"""The one judgement of what a checkpoint folder is: committed, torn, corrupt, of a newer
-format, empty or retired. ``CheckpointManager`` (listing, restore, retention) and every
-``safeckpt`` command name a folder's state through this module, so they always agree."""
+"""A checkpoint folder on storage: which manifest wins, what state the folder is in
+(committed, torn, corrupt, of a newer format, empty or retired), which of its files
+sibling checkpoints read, and the order in which its old versions are deleted.
+
+``CheckpointManager`` (listing, restore, retention), garbage collection, ``seal``, the
+integrations and every ``safeckpt`` command judge a folder through this module, so they
+always agree."""
 
 from __future__ import annotations
 
-from ..protocol.checkpoint import read_committed
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
-from ..run.garbage import RETIRED as RETIRED_MARKER
-from .manifest import Manifest
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, SkippedCheckpointWarning, StorageError,
+                      UnsupportedFormatError, warn)
 from ..storage import Storage
+from .manifest import Manifest, decode_manifest
+from .states import CheckpointState
+from .names import DATA_RE, RETIRED as RETIRED_MARKER, STEP_RE, is_shared, manifest_seq, shared_location
 
-COMMITTED = "committed"        # a valid manifest: the checkpoint loads
-TORN = "torn"                  # files but no manifest: a save that was killed (or is still running)
-CORRUPT = "corrupt"            # manifests, none valid (or, for verify, data that fails its checksums)
-NEWER_FORMAT = "newer_format"  # written by a newer safeckpt: never skipped, never judged corrupt
-EMPTY = "empty"                # nothing in the folder (or no folder)
-RETIRED = "retired"            # deleted by retention; keeps data newer checkpoints share
-
-STATES = (COMMITTED, TORN, CORRUPT, NEWER_FORMAT, EMPTY, RETIRED)
-
-# how people are shown each state (tables, one-line reports); --json uses the names above
-LABEL = {COMMITTED: "committed", TORN: "torn save", CORRUPT: "CORRUPT",
-         NEWER_FORMAT: "newer format (upgrade safeckpt)", EMPTY: "empty", RETIRED: "retired (data still shared)"}
 
 _RETIRED_WHY = "deleted by retention; holds data later checkpoints share"
 
 
-def folder_state(folder: Storage, listing: dict[str, int | None] | None = None) -> tuple[str, Manifest | str]:
-    """``(COMMITTED, manifest)``, or ``(state, why)`` for every other state."""
+@dataclass(frozen=True)
+class FolderState:
+    """A folder's state, with its manifest when committed and the problem otherwise."""
+
+    state: CheckpointState
+    manifest: Manifest | None = None
+    problem: str = ""
+
+
+def folder_state(folder: Storage, listing: dict[str, int | None] | None = None) -> FolderState:
+    """Judge one checkpoint folder (never raises for what it finds in it)."""
     if listing is None:
         listing = folder.listdir()
     try:
-        return COMMITTED, read_committed(folder, listing)
+        return FolderState(CheckpointState.COMMITTED, read_committed(folder, listing))
     except UnsupportedFormatError as exc:
-        return NEWER_FORMAT, str(exc)
+        return FolderState(CheckpointState.NEWER_FORMAT, problem=str(exc))
     except CheckpointNotFoundError as exc:
         if RETIRED_MARKER in listing:
-            return RETIRED, _RETIRED_WHY
-        return (TORN if listing else EMPTY), str(exc)
+            return FolderState(CheckpointState.RETIRED, problem=_RETIRED_WHY)
+        return FolderState(CheckpointState.TORN if listing else CheckpointState.EMPTY, problem=str(exc))
     except CorruptCheckpointError as exc:
-        return CORRUPT, str(exc)
+        return FolderState(CheckpointState.CORRUPT, problem=str(exc))
 
+
+def step_folders(root: Storage) -> list[int]:
+    """The steps of a run root's ``step-NNNNNNNNN`` folders, ascending."""
+    return sorted(int(m.group(1)) for name, size in root.listdir().items()
+                  if size is None and (m := STEP_RE.fullmatch(name)))
+
+
+def manifest_seqs(listing: dict[str, int | None]) -> list[tuple[int, str]]:
+    """(sequence, name) of every manifest file in a listing, highest first (a folder
+    with a manifest's name is not one)."""
+    return sorted(((s, n) for n, size in listing.items() if size is not None and (s := manifest_seq(n)) is not None),
+                  reverse=True)
+
+
+def _check_files(storage: Storage, m: Manifest, listing: dict[str, int | None], where: str) -> None:
+    siblings: dict[str, dict[str, int | None]] = {}  # each sibling folder listed once
+    for f in m.files.values():
+        if is_shared(f.name):
+            folder, file = shared_location(f.name)
+            if folder not in siblings:
+                siblings[folder] = storage.parent().child(folder).listdir()
+            size = siblings[folder].get(file)
+        else:
+            size = listing.get(f.name) if "/" not in f.name else _size_or_none(storage, f.name)
+        if size is None:
+            raise CorruptCheckpointError(f"{where}: names {f.name}, which is missing")
+        if size != f.size:
+            raise CorruptCheckpointError(
+                f"{where}: {f.name} has {size} bytes, the manifest says {f.size} (truncated or altered)")
+
+
+def _size_or_none(storage: Storage, name: str) -> int | None:
+    try:
+        return storage.size(name)
+    except FileNotFoundError:
+        return None
+
+
+def read_committed(storage: Storage, listing: dict[str, int | None] | None = None) -> Manifest:
+    """The winning manifest of a checkpoint folder.
+
+    Raises ``CheckpointNotFoundError`` when there is no manifest at all,
+    ``UnsupportedFormatError`` when the newest is from a newer safeckpt (never falling
+    back past it), and ``CorruptCheckpointError`` with every manifest's problem when
+    none is valid."""
+    if listing is None:
+        listing = storage.listdir()
+    seqs = manifest_seqs(listing)
+    if not seqs:
+        what = ("it is a file, not a checkpoint folder" if _is_file(storage) else "the folder is empty or missing") \
+            if not listing else "it has no manifest (a save that never committed, or not a safeckpt checkpoint)"
+        raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: {what}")
+    problems = []
+    for seq, name in seqs:
+        where = f"{storage.url}/{name}"
+        try:
+            m = decode_manifest(storage.read(name), where)
+            if m.seq != seq:
+                raise CorruptCheckpointError(f"{where}: records sequence {m.seq}, its name says {seq}")
+            _check_files(storage, m, listing, where)
+        except UnsupportedFormatError:
+            raise
+        except CorruptCheckpointError as exc:
+            problems.append(str(exc))
+            continue
+        if problems:
+            warn(f"{storage.url}: using {name}; skipped newer manifests: " + "; ".join(problems),
+                 SkippedCheckpointWarning)
+        return m
+    raise CorruptCheckpointError(f"no valid manifest in {storage.url}: " + "; ".join(problems))
+
+
+def _is_file(storage: Storage) -> bool:
+    """Whether the path names a file (``load_state("trainer.pt")``): its parent lists it
+    with a size. Asked only when the folder lists empty, on any backend."""
+    try:
+        return storage.parent().listdir().get(storage.url.rstrip("/").rpartition("/")[2]) is not None
+    except Exception:  # noqa: BLE001 - only to choose the words of an error
+        return False
+
+
+def retire(storage: Storage, keep: Manifest | None, spare: "set[str] | frozenset[str]" = frozenset()) -> None:
+    """Delete the manifests older than ``keep`` (first, durably), then the data files
+    only they referenced. A manifest newer than ``keep`` is a concurrent writer's
+    commit: it is never deleted, nor any file it names, and while one cannot be read (it
+    may still be written) no data is deleted at all (garbage collection gets it later).
+    With ``keep=None`` the checkpoint is deleted entirely, including data files of
+    interrupted saves into the same folder. ``spare`` are files other checkpoints share.
+    Files of sibling checkpoints are never touched here: whether another checkpoint
+    still needs them is for ``garbage.collect`` to decide."""
+    listing = storage.listdir()
+    seqs = manifest_seqs(listing)
+    older = [name for seq, name in seqs if keep is None or seq < keep.seq]
+    doomed: set[str] = {n for n in listing if DATA_RE.fullmatch(n)} if keep is None else set()
+    for name in older:
+        try:
+            doomed.update(decode_manifest(storage.read(name), name).files)
+        except (CorruptCheckpointError, OSError):
+            continue
+    needed = set(keep.files) if keep is not None else set()
+    unknown = False  # a newer commit in progress: what it names is unknown
+    for name in (name for seq, name in seqs if keep is not None and seq > keep.seq):
+        try:
+            needed.update(decode_manifest(storage.read(name), name).files)
+        except (CorruptCheckpointError, OSError):
+            unknown = True
+            break
+    storage.delete(older)
+    if not unknown:
+        storage.delete(sorted(n for n in doomed - needed if not is_shared(n) and n not in spare))
+
+
+def shared_files(manifests: "Mapping[Any, Manifest] | list[Manifest]") -> dict[str, set[str]]:
+    """Sibling folder -> its files that these committed manifests read."""
+    out: dict[str, set[str]] = {}
+    for m in (manifests.values() if isinstance(manifests, dict) else manifests):
+        for name in m.files:
+            if is_shared(name):
+                folder, file = shared_location(name)
+                out.setdefault(folder, set()).add(file)
+    return out
+
+
+def shared_by_siblings(folder: Storage) -> set[str]:
+    """Files of ``folder`` that committed checkpoints in its sibling step folders read."""
+    try:
+        parent = folder.parent()
+    except StorageError:
+        return set()  # no sibling could ever have referenced it: saving one needs the parent
+    name = folder.url.rstrip("/").rsplit("/", 1)[-1]
+    manifests = []
+    for sibling, size in sorted(parent.listdir().items()):
+        if size is None and sibling != name and STEP_RE.fullmatch(sibling):
+            try:
+                manifests.append(read_committed(parent.child(sibling)))
+            except (CheckpointNotFoundError, CorruptCheckpointError):
+                continue
+    return shared_files(manifests).get(name, set())

@@ -79,7 +79,7 @@ def checkpoint_manager(accelerator: Any, root: str | os.PathLike[str] | Storage 
         key = text if is_remote(text) else os.path.abspath(text)
     managers = _MANAGERS.setdefault(accelerator, {})
     mgr = managers.get(key)
-    if mgr is None or mgr._closed:
+    if mgr is None or mgr.closed:
         # open_storage (in CheckpointManager) takes a PathLike too; its annotation says str
         mgr = managers[key] = CheckpointManager(cast("str | Storage", root), **options)
         return mgr
@@ -216,7 +216,7 @@ def _deepspeed_state(accelerator: Any, state: dict) -> dict:
 
 def _save_deepspeed(accelerator: Any, mgr: CheckpointManager, step: int, metrics: dict | None,
                     meta: dict) -> CheckpointInfo:
-    from ..run.manager import step_folder
+    from ..format.names import step_folder
     from ..interop.sealing import seal
     folder = mgr.save_root.child(step_folder(step))
     for tag, engine in _engines(accelerator):

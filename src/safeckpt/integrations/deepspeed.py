@@ -68,7 +68,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "pip install 'safeckpt[deepspeed]'") from exc
 
 from ..errors import CleanupWarning, SkippedCheckpointWarning, warn
-from ..protocol.checkpoint import _committed_for_group, new_save_id, read_committed, retire, verify
+from ..protocol.checkpoint import committed_for_group, new_save_id, verify
+from ..format.folder import read_committed, retire
 from ..format.checksum import checksum, matches
 from ..protocol.commit import abort_summary, describe_error, not_visible
 from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError,
@@ -454,7 +455,7 @@ class SafeCheckpointEngine(CheckpointEngine):
         if choice is None:
             return None
         folder = _local(os.path.join(load_dir, choice), self.storage_options)
-        self._loading[folder.path] = _committed_for_group(folder, group)
+        self._loading[folder.path] = committed_for_group(folder, group)
         return choice
 
     def _choose(self, load_dir: str, tag: str | None) -> str | None:

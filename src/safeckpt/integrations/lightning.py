@@ -56,7 +56,8 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 
 from ..errors import CleanupWarning, warn
 from ..run.asyncsave import AsyncSaver
-from ..protocol.checkpoint import CheckpointInfo, gc_paused, load_state, retire, save_request
+from ..protocol.checkpoint import CheckpointInfo, gc_paused, load_state, save_request
+from ..format.folder import retire
 from ..protocol.commit import DATA_RE
 from ..errors import UnsafeObjectError
 from ..format.manifest import manifest_seq

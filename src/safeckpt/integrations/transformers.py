@@ -47,8 +47,9 @@ from packaging.version import Version
 from ..errors import CleanupWarning, PartialLoadWarning, SafeckptWarning, SkippedCheckpointWarning, warn
 from ..format import codec
 from ..protocol.checkpoint import load as safeckpt_load
-from ..protocol.checkpoint import read_committed, retire, save, verify
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..protocol.checkpoint import save, verify
+from ..format.folder import CheckpointState, folder_state, read_committed, retire
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from ..format.manifest import Manifest, manifest_seq
 from ..protocol.reader import TensorReader
 from ..interop.sealing import seal
@@ -97,17 +98,18 @@ def _checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, str]]:
 def _committed(path: str) -> Manifest | str:
     """The manifest of a sealed Trainer checkpoint, or why it is not one. Sealed means a
     valid manifest that also covers ``trainer_state.json`` (``Trainer.train`` reads it)."""
-    try:
-        m = read_committed(open_storage(path))
-    except CheckpointNotFoundError:
+    found = folder_state(open_storage(path))
+    if found.state is CheckpointState.NEWER_FORMAT:
+        raise UnsupportedFormatError(found.problem)  # never passed over for an older checkpoint
+    if found.manifest is None:
+        if found.state is CheckpointState.CORRUPT:
+            return f"damaged: {found.problem}"
         return ("not sealed: it has no safeckpt manifest (a save that never finished, or one "
                 "written without SafeCheckpointCallback / SafeTrainer)")
-    except CorruptCheckpointError as exc:
-        return f"damaged: {exc}"
-    if TRAINER_STATE_NAME not in m.files:
+    if TRAINER_STATE_NAME not in found.manifest.files:
         return (f"not sealed: its manifest does not cover {TRAINER_STATE_NAME} (a save "
                 "interrupted before its seal)")
-    return m
+    return found.manifest
 
 
 def checkpoint_problem(path: str, *, full: bool = True) -> str | None:

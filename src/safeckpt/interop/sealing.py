@@ -21,7 +21,8 @@ import os
 import time
 
 
-from ..protocol.checkpoint import CheckpointInfo, new_save_id, plain_values, retire
+from ..protocol.checkpoint import CheckpointInfo, new_save_id, plain_values
+from ..format.folder import retire
 from ..format.checksum import BLOCK_SIZE, file_checksum
 from ..protocol.commit import DATA_RE, read_existing, write_manifest
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError

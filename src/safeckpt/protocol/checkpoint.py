@@ -18,17 +18,17 @@ from typing import Any, Callable, TypeVar, Union
 
 import torch
 
-from ..errors import PartialLoadWarning, SkippedCheckpointWarning, warn
+from ..errors import PartialLoadWarning, warn
 from ..format import codec
 from .. import errors as errors_module
-from .commit import DATA_RE, SaveRun, read_existing
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError, UnsupportedFormatError
+from .commit import SaveRun, read_existing
+from ..errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from .group import resolve
-from ..format.manifest import (Manifest, decode_manifest, encode_values, is_shared, manifest_name, manifest_seq,
-                       shared_location)
+from ..format.manifest import (Manifest, decode_manifest, encode_values, manifest_name)
 from ..format.plan import overlap
 from .reader import TensorReader
 from .state import FlatState, LoadPlanner, flatten
+from ..format.folder import read_committed
 from ..storage import Storage
 from ..storage import open as open_storage
 
@@ -85,80 +85,6 @@ def log_save(info: "CheckpointInfo", blocked_seconds: float | None = None) -> No
 def new_save_id() -> str:
     """Sortable by time, unique across ranks and attempts: ``<unix seconds hex><random>``."""
     return f"{int(time.time()):08x}{secrets.token_hex(6)}"
-
-
-def manifest_seqs(listing: dict[str, int | None]) -> list[tuple[int, str]]:
-    """(sequence, name) of every manifest file in a listing, highest first (a folder
-    with a manifest's name is not one)."""
-    return sorted(((s, n) for n, size in listing.items() if size is not None and (s := manifest_seq(n)) is not None),
-                  reverse=True)
-
-
-def _check_files(storage: Storage, m: Manifest, listing: dict[str, int | None], where: str) -> None:
-    siblings: dict[str, dict[str, int | None]] = {}  # each sibling folder listed once
-    for f in m.files.values():
-        if is_shared(f.name):
-            folder, file = shared_location(f.name)
-            if folder not in siblings:
-                siblings[folder] = storage.parent().child(folder).listdir()
-            size = siblings[folder].get(file)
-        else:
-            size = listing.get(f.name) if "/" not in f.name else _size_or_none(storage, f.name)
-        if size is None:
-            raise CorruptCheckpointError(f"{where}: names {f.name}, which is missing")
-        if size != f.size:
-            raise CorruptCheckpointError(
-                f"{where}: {f.name} has {size} bytes, the manifest says {f.size} (truncated or altered)")
-
-
-def _size_or_none(storage: Storage, name: str) -> int | None:
-    try:
-        return storage.size(name)
-    except FileNotFoundError:
-        return None
-
-
-def read_committed(storage: Storage, listing: dict[str, int | None] | None = None) -> Manifest:
-    """The winning manifest of a checkpoint folder.
-
-    Raises ``CheckpointNotFoundError`` when there is no manifest at all,
-    ``UnsupportedFormatError`` when the newest is from a newer safeckpt (never falling
-    back past it), and ``CorruptCheckpointError`` with every manifest's problem when
-    none is valid."""
-    if listing is None:
-        listing = storage.listdir()
-    seqs = manifest_seqs(listing)
-    if not seqs:
-        what = ("it is a file, not a checkpoint folder" if _is_file(storage) else "the folder is empty or missing") \
-            if not listing else "it has no manifest (a save that never committed, or not a safeckpt checkpoint)"
-        raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: {what}")
-    problems = []
-    for seq, name in seqs:
-        where = f"{storage.url}/{name}"
-        try:
-            m = decode_manifest(storage.read(name), where)
-            if m.seq != seq:
-                raise CorruptCheckpointError(f"{where}: records sequence {m.seq}, its name says {seq}")
-            _check_files(storage, m, listing, where)
-        except UnsupportedFormatError:
-            raise
-        except CorruptCheckpointError as exc:
-            problems.append(str(exc))
-            continue
-        if problems:
-            warn(f"{storage.url}: using {name}; skipped newer manifests: " + "; ".join(problems),
-                 SkippedCheckpointWarning)
-        return m
-    raise CorruptCheckpointError(f"no valid manifest in {storage.url}: " + "; ".join(problems))
-
-
-def _is_file(storage: Storage) -> bool:
-    """Whether the path names a file (``load_state("trainer.pt")``): its parent lists it
-    with a size. Asked only when the folder lists empty, on any backend."""
-    try:
-        return storage.parent().listdir().get(storage.url.rstrip("/").rpartition("/")[2]) is not None
-    except Exception:  # noqa: BLE001 - only to choose the words of an error
-        return False
 
 
 def gc_paused(fn: F) -> F:
@@ -247,7 +173,7 @@ def save(state: dict, path: PathLike, *, overwrite: bool = False, metadata: dict
          process_group: Any = None, storage_options: dict | None = None,
          allow_pickle: bool = False, step: int | None = None,
          metrics: dict | None = None) -> CheckpointInfo:
-    """Save ``state`` as a committed checkpoint at ``path`` (see DESIGN.md).
+    """Save ``state`` as a committed checkpoint at ``path`` (see the README).
 
     Inside a torch.distributed job every rank calls it; each writes only its part and
     rank 0 commits. Raises ``CheckpointExistsError`` if a checkpoint is committed there
@@ -263,38 +189,7 @@ def save(state: dict, path: PathLike, *, overwrite: bool = False, metadata: dict
     return info
 
 
-def retire(storage: Storage, keep: Manifest | None, spare: "set[str] | frozenset[str]" = frozenset()) -> None:
-    """Delete the manifests older than ``keep`` (first, durably), then the data files
-    only they referenced. A manifest newer than ``keep`` is a concurrent writer's
-    commit: it is never deleted, nor any file it names, and while one cannot be read (it
-    may still be written) no data is deleted at all (garbage collection gets it later).
-    With ``keep=None`` the checkpoint is deleted entirely, including data files of
-    interrupted saves into the same folder. ``spare`` are files other checkpoints share.
-    Files of sibling checkpoints are never touched here: whether another checkpoint
-    still needs them is for ``garbage.collect`` to decide."""
-    listing = storage.listdir()
-    seqs = manifest_seqs(listing)
-    older = [name for seq, name in seqs if keep is None or seq < keep.seq]
-    doomed: set[str] = {n for n in listing if DATA_RE.fullmatch(n)} if keep is None else set()
-    for name in older:
-        try:
-            doomed.update(decode_manifest(storage.read(name), name).files)
-        except (CorruptCheckpointError, OSError):
-            continue
-    needed = set(keep.files) if keep is not None else set()
-    unknown = False  # a newer commit in progress: what it names is unknown
-    for name in (name for seq, name in seqs if keep is not None and seq > keep.seq):
-        try:
-            needed.update(decode_manifest(storage.read(name), name).files)
-        except (CorruptCheckpointError, OSError):
-            unknown = True
-            break
-    storage.delete(older)
-    if not unknown:
-        storage.delete(sorted(n for n in doomed - needed if not is_shared(n) and n not in spare))
-
-
-def _committed_for_group(storage: Storage, group: Any) -> Manifest:
+def committed_for_group(storage: Storage, group: Any) -> Manifest:
     """Rank 0 picks the manifest and sends its bytes, so every rank loads the same one
     even where listings disagree (NFS attribute caches)."""
     if group.size == 1:
@@ -347,7 +242,7 @@ def _only(tree: Any, keys: list, url: str) -> Any:
 def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = True,
          process_group: Any = None, storage_options: dict | None = None,
          allow_pickle: bool = False, keys: "list | None" = None) -> None:
-    """Load a checkpoint into ``state`` in place (see DESIGN.md).
+    """Load a checkpoint into ``state`` in place (see the README).
 
     Each rank reads only the bytes of its own part. Every mismatch is found before
     anything is read, so ``StateMismatchError`` leaves ``state`` untouched; with
@@ -360,7 +255,7 @@ def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = Tru
     started = time.perf_counter()
     group = resolve(process_group)
     storage = open_storage(path, **(storage_options or {}))
-    load_manifest(state, storage, _committed_for_group(storage, group), group, strict=strict, verify=verify,
+    load_manifest(state, storage, committed_for_group(storage, group), group, strict=strict, verify=verify,
                   allow_pickle=allow_pickle, keys=keys, started=started)
 
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, cast
 
 from ..errors import CleanupWarning, warn
 from ..format.checksum import BLOCK_SIZE, checksum
+from ..format.folder import read_committed, retire, shared_by_siblings
 from .datafile import WrittenPiece, plan_layout, write_data_file
 from ..format.names import DATA_RE, data_file_name  # noqa: F401
 from .incremental import ChunkDigest, Source, Stored, chunk_key, digest_pieces, plan_reuse, reuse_index
@@ -366,9 +367,6 @@ def retire_replaced(storage: Storage, old: Manifest | None, manifest: Manifest) 
     """After a commit over ``old``: delete its manifest, then the data only it used."""
     if old is None:
         return
-    from .checkpoint import retire  # the deletion order lives with the checkpoint
-    from ..run.garbage import shared_by_siblings
-
     try:
         # an incremental checkpoint's files may be read by later ones: spare those
         spare = shared_by_siblings(storage) if old.version >= 2 else set()
@@ -467,8 +465,6 @@ def write_manifest(storage: Storage, manifest: Manifest, what: str = "save") -> 
 
 def read_existing(storage: Storage) -> tuple[Manifest | None, int]:
     """The committed manifest of a folder (if any) and the highest manifest sequence seen."""
-    from .checkpoint import read_committed
-
     listing = storage.listdir()
     max_seq = max((s for n in listing if (s := manifest_seq(n)) is not None), default=0)  # folders too
     try:

@@ -18,26 +18,15 @@ collection running meanwhile sees one or the other.
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
 from ..errors import SkippedCheckpointWarning, warn
-from ..protocol.checkpoint import read_committed
+from ..format.folder import read_committed
 from ..protocol.commit import DATA_RE
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
-from ..format.manifest import STEP_RE, Manifest, decode_manifest, is_shared, manifest_seq, shared_location
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from ..format.manifest import STEP_RE, Manifest, decode_manifest, manifest_seq
+from ..format.folder import shared_by_siblings, shared_files
 from ..format.names import RETIRED  # noqa: F401
 from ..storage import Storage
 
-
-
-def shared_files(manifests: "Mapping[Any, Manifest] | list[Manifest]") -> dict[str, set[str]]:
-    """Sibling folder -> its files that these committed manifests read."""
-    out: dict[str, set[str]] = {}
-    for m in (manifests.values() if isinstance(manifests, dict) else manifests):
-        for name in m.files:
-            if is_shared(name):
-                folder, file = shared_location(name)
-                out.setdefault(folder, set()).add(file)
-    return out
 
 
 def save_id_age(save_id: str, now: float) -> float:
@@ -46,23 +35,6 @@ def save_id_age(save_id: str, now: float) -> float:
         return now - int(save_id[:8], 16)
     except ValueError:
         return float("inf")
-
-
-def shared_by_siblings(folder: Storage) -> set[str]:
-    """Files of ``folder`` that committed checkpoints in its sibling step folders read."""
-    try:
-        parent = folder.parent()
-    except StorageError:
-        return set()  # no sibling could ever have referenced it: saving one needs the parent
-    name = folder.url.rstrip("/").rsplit("/", 1)[-1]
-    manifests = []
-    for sibling, size in sorted(parent.listdir().items()):
-        if size is None and sibling != name and STEP_RE.fullmatch(sibling):
-            try:
-                manifests.append(read_committed(parent.child(sibling)))
-            except (CheckpointNotFoundError, CorruptCheckpointError):
-                continue
-    return shared_files(manifests).get(name, set())
 
 
 def garbage_in(folder: Storage, min_age_s: float | None = None, now: float | None = None,

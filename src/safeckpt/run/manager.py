@@ -18,15 +18,16 @@ from typing import Any, cast
 from ..errors import CleanupWarning, ForeignRunWarning, SkippedCheckpointWarning, warn
 from . import garbage
 from .asyncsave import AsyncSaver, SaveFuture, background_group
-from ..protocol.checkpoint import CheckpointInfo, load, log_save, retire, save_request
-from ..format.folder import COMMITTED, CORRUPT, NEWER_FORMAT, RETIRED, folder_state
+from ..protocol.checkpoint import CheckpointInfo, load, log_save, save_request
+from ..format.folder import retire
+from ..format.folder import FolderState, CheckpointState, folder_state, step_folders
 from ..protocol.incremental import CHUNK_SIZE, MIN_CHUNK_SIZE
-from .tiered import Replicator, tier_candidates
+from .tiered import Candidate, Replicator, tier_candidates
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
 from ..protocol.group import SingleGroup, TorchGroup, resolve
 from .lease import WriterLease
 from ..format.manifest import Manifest
-from ..format.names import STEP_RE, step_folder
+from ..format.names import step_folder
 from .nodes import NodeLayout, NodeTier
 from .retention import Retention
 from ..storage import Storage
@@ -145,20 +146,15 @@ class CheckpointManager:
         return self.tiers[0]
 
     def _step_folders(self, root: Storage | None = None) -> list[int]:
-        found = [int(m.group(1)) for name, size in (root or self.save_root).listdir().items()
-                 if size is None and (m := STEP_RE.fullmatch(name))]
-        return sorted(found)
+        return step_folders(root or self.save_root)
 
-    def _read(self, step: int, root: Storage | None = None) -> tuple[str, Manifest | str]:
-        """The folder state of ``step`` (``folderstate``): ``(COMMITTED, manifest)`` or
-        ``(state, why)``."""
+    def _read(self, step: int, root: Storage | None = None) -> FolderState:
         return folder_state((root or self.save_root).child(step_folder(step)))
 
     def _committed(self, root: Storage | None = None) -> dict[int, Manifest]:
         out: dict[int, Manifest] = {}
         for step in self._step_folders(root):
-            status, m = self._read(step, root)
-            if status == COMMITTED and isinstance(m, Manifest):
+            if (m := self._read(step, root).manifest) is not None:
                 out[step] = m
         return out
 
@@ -169,15 +165,20 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         """The newest committed step in any tier, or None."""
         def newest(root: Storage) -> int | None:
-            return next((s for s in reversed(self._step_folders(root)) if self._read(s, root)[0] == COMMITTED), None)
+            return next((s for s in reversed(self._step_folders(root)) if self._read(s, root).state is CheckpointState.COMMITTED), None)
         return self._on_rank0(lambda: max((s for t in self.tiers if (s := newest(t)) is not None), default=None))
 
     def path(self, step: int) -> str:
         """Where the checkpoint of ``step`` lives (the local tier's copy when it has one)."""
         def where() -> str:
-            root = next((t for t in self.tiers if self._read(step, t)[0] == COMMITTED), self.save_root)
+            root = next((t for t in self.tiers if self._read(step, t).state is CheckpointState.COMMITTED), self.save_root)
             return root.child(step_folder(step)).url
         return self._on_rank0(where) if len(self.tiers) > 1 else self.save_root.child(step_folder(step)).url
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has run."""
+        return self._closed
 
     # -- saving ----------------------------------------------------------------------
     def save(self, step: int, state: dict, *, metrics: dict | None = None,
@@ -257,8 +258,8 @@ class CheckpointManager:
     def _base(self, step: int) -> tuple[str, Manifest] | None:
         """Rank 0: the newest committed checkpoint of this run, whose chunks a save shares."""
         for s in reversed(self._step_folders(self.save_root)):
-            status, m = self._read(s, self.save_root) if s != step else ("", None)
-            if status == COMMITTED and isinstance(m, Manifest) and m.run_id == self.run_id:
+            m = self._read(s, self.save_root).manifest if s != step else None
+            if m is not None and m.run_id == self.run_id:
                 return step_folder(s), m
         return None
 
@@ -349,18 +350,18 @@ class CheckpointManager:
         skipped: list[str] = []
         failed = False
         newest_seen: set[int] = set()
-        for candidate, tier, status, detail in candidates:
+        for candidate, tier, status, run_id, problem in candidates:
             root = self.tiers[tier]
             first_of_tier = tier not in newest_seen
             newest_seen.add(tier)
-            if status == NEWER_FORMAT:  # resuming from an older step instead would lose work
-                raise UnsupportedFormatError(detail)
-            if status == RETIRED:
+            if status is CheckpointState.NEWER_FORMAT:  # resuming from an older step instead would lose work
+                raise UnsupportedFormatError(problem)
+            if status is CheckpointState.RETIRED:
                 continue
-            if status != COMMITTED:
+            if status is not CheckpointState.COMMITTED:
                 # a crash can leave only the newest save torn; older damage is corruption
-                failed = failed or (status == CORRUPT and (not first_of_tier or step is not None))
-                skipped.append(f"step {candidate} in {root.url}: not committed ({detail})")
+                failed = failed or (status is CheckpointState.CORRUPT and (not first_of_tier or step is not None))
+                skipped.append(f"step {candidate} in {root.url}: not committed ({problem})")
                 self._damaged.add(candidate)
                 continue
             try:
@@ -374,9 +375,9 @@ class CheckpointManager:
                 warn(f"restored step {candidate} from {root.url}; skipped:\n  " + "\n  ".join(skipped),
                      SkippedCheckpointWarning)
             log.info("restored step %d from %s", candidate, root.url)
-            self.run_id = detail or self.run_id
+            self.run_id = run_id or self.run_id
             if tier == 0 and self._replicator is not None and self.group.rank == 0 \
-                    and self._read(candidate, self.storage)[0] != COMMITTED:
+                    and self._read(candidate, self.storage).state is not CheckpointState.COMMITTED:
                 self._replicator.submit(step_folder(candidate))  # a copy the last job did not finish
             return candidate
         if failed:
@@ -391,17 +392,10 @@ class CheckpointManager:
                  SkippedCheckpointWarning)
         return None
 
-    def _candidates(self, step: int | None) -> list[tuple[int, int, str, Any]]:
-        """Rank 0: (step, tier, status, run id when ok or else why not) to try, in order."""
-        listings = []
-        for root in self.tiers:
-            listing = []
-            for s in self._step_folders(root):
-                if step in (None, s):
-                    status, m = self._read(s, root)
-                    found = m if isinstance(m, Manifest) else None
-                    listing.append((s, status, found.run_id if found else m, found))
-            listings.append(listing)
+    def _candidates(self, step: int | None) -> list[Candidate]:
+        """Rank 0: the step folders to try, in order."""
+        listings = [[(s, self._read(s, root)) for s in self._step_folders(root) if step in (None, s)]
+                    for root in self.tiers]
         rows, notes = tier_candidates(listings, [t.url for t in self.tiers])
         if notes:
             warn("restore: " + "; ".join(notes), SkippedCheckpointWarning)

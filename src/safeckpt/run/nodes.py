@@ -34,7 +34,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from ..protocol.checkpoint import load_manifest, read_committed
+from ..protocol.checkpoint import load_manifest
+from ..format.folder import read_committed
 from ..format.checksum import checksum
 from ..protocol.commit import (DATA_RE, SaveRun, describe_error, read_existing, refuse_existing, retire_replaced,
                      write_manifest)
@@ -44,7 +45,7 @@ from ..protocol.group import TorchGroup, resolve
 from ..format.manifest import Manifest, decode_manifest, encode_manifest, manifest_name, manifest_seq
 from ..format.names import step_folder
 from ..storage import Storage
-from .tiered import _checked_parts, copy_file, file_checks
+from .tiered import checked_parts, copy_file, file_checks
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -176,7 +177,7 @@ def _recv(group: TorchGroup, src: int) -> bytes:
 def _read_checked(folder: Storage, m: Manifest, name: str) -> bytes:
     """A whole data file, every checksummed range checked: rot is never copied on."""
     f = m.files[name]
-    return b"".join(_checked_parts(folder, name, f.size, file_checks(m).get(name, []), f.checksum))
+    return b"".join(checked_parts(folder, name, f.size, file_checks(m).get(name, []), f.checksum))
 
 
 def send_file(group: TorchGroup, folder: Storage, m: Manifest, name: str, dst: int, problems: list[str]) -> None:

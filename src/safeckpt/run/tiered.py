@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 from ..errors import ReplicationWarning, warn
 from ..format.checksum import RunningChecksum, matches
-from ..protocol.checkpoint import read_committed
+from ..format.folder import FolderState, CheckpointState, read_committed
 from ..protocol.commit import DATA_RE
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError
 from ..format.manifest import Manifest, manifest_name, manifest_seq, root_path
@@ -43,7 +43,7 @@ def file_checks(m: Manifest) -> dict[str, list[Check]]:
     return {n: sorted(r) for n, r in out.items()}
 
 
-def _checked_parts(storage: Storage, name: str, size: int, checks: list[Check],
+def checked_parts(storage: Storage, name: str, size: int, checks: list[Check],
                    whole: str | None) -> Iterator[bytes]:
     """A file's bytes in blocks, each range in ``checks`` (and, for a sealed file, the
     ``whole`` file) checked as it passes: a copy never commits bytes that rotted."""
@@ -72,7 +72,7 @@ def _checked_parts(storage: Storage, name: str, size: int, checks: list[Check],
 def copy_file(src: Storage, src_name: str, dst: Storage, dst_name: str, size: int,
               checks: Sequence[Check] = (), whole: str | None = None) -> None:
     """Copy one immutable file, checking it on the way; durable at the destination on return."""
-    parts = _checked_parts(src, src_name, size, list(checks), whole) if size else [b""]
+    parts = checked_parts(src, src_name, size, list(checks), whole) if size else [b""]
     written = dst.write_file(dst_name, parts)
     if written != size:
         raise SaveAbortedError(f"copying {src.url}/{src_name} to {dst.url}/{dst_name} wrote {written} "
@@ -212,24 +212,36 @@ class Replicator:
         self.wait()
 
 
-def tier_candidates(listings: list[list[tuple[int, str, Any, Manifest | None]]], names: list[str]
-                    ) -> tuple[list[tuple[int, int, str, Any]], list[str]]:
+class Candidate(NamedTuple):
+    """A step folder a restore may try: its tier, state, and run id or problem."""
+
+    step: int
+    tier: int
+    state: CheckpointState
+    run_id: str | None
+    problem: str
+
+
+def tier_candidates(listings: list[list[tuple[int, FolderState]]], names: list[str]
+                    ) -> tuple[list[Candidate], list[str]]:
     """Restore order across tiers: newest step first; for one step, the first tier (the
-    local disk) first. Each listing holds (step, status, detail, committed manifest or
-    None) of one tier, named in ``names``. When the tiers hold *different* saves of one step (a node's copy
-    that never reached the durable root, which another node then wrote), only the later
-    save is a candidate; the notes say which copy was passed over."""
+    local disk) first. Each listing holds (step, folder state) of one tier, named in
+    ``names``. When the tiers hold *different* saves of one step (a node's copy that
+    never reached the durable root, which another node then wrote), only the later save
+    is a candidate; the notes say which copy was passed over."""
     newest: dict[int, Manifest] = {}
     for listing in listings:
-        for step, _, _, m in listing:
+        for step, found in listing:
+            m = found.manifest
             if m is not None and (step not in newest or m.created > newest[step].created):
                 newest[step] = m
     rows, notes = [], []
     for tier, listing in enumerate(listings):
-        for step, status, detail, m in listing:
+        for step, found in listing:
+            m = found.manifest
             if m is not None and m.save_id != newest[step].save_id:
                 notes.append(f"step {step} in {names[tier]} (save {m.save_id}) is passed over: the "
                              f"later save {newest[step].save_id} of the same step is in another tier")
                 continue
-            rows.append((step, tier, status, detail))
-    return sorted(rows, key=lambda r: (-r[0], r[1])), notes
+            rows.append(Candidate(step, tier, found.state, m.run_id if m else None, found.problem))
+    return sorted(rows, key=lambda r: (-r.step, r.tier)), notes

@@ -29,7 +29,6 @@ from typing import Any, Iterable
 
 from ..errors import StorageError
 from .base import Buffer, Storage
-from .registry import url_scheme
 
 try:
     import fsspec
@@ -49,7 +48,7 @@ _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToke
                      "InvalidClientTokenId", "AuthorizationHeaderMalformed", "UnrecognizedClientException"}
 
 
-def _bytes_view(part: Buffer) -> memoryview:
+def bytes_view(part: Buffer) -> memoryview:
     view = memoryview(part)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
@@ -65,19 +64,19 @@ def _client_error(exc: BaseException) -> tuple[str | None, int | None]:
     return None, None
 
 
-def _is_backend_error(exc: BaseException) -> bool:
+def is_backend_error(exc: BaseException) -> bool:
     """An error of the storage (s3fs/botocore/aiohttp/timeouts), not of the caller."""
     module = type(exc).__module__ or ""
     return isinstance(exc, (OSError, TimeoutError)) or module.split(".")[0] in (
         "botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec")
 
 
-def _is_precondition_failed(exc: BaseException) -> bool:
+def is_precondition_failed(exc: BaseException) -> bool:
     code, status = _client_error(exc)
     return status == 412 or code == "PreconditionFailed" or isinstance(exc, FileExistsError)
 
 
-def _is_definite(exc: BaseException) -> bool:
+def is_definite(exc: BaseException) -> bool:
     """True when the server certainly refused the request (a 4xx other than 408/409/412/429)."""
     code, status = _client_error(exc)
     if status is None:
@@ -122,8 +121,7 @@ def object_store_error(exc: BaseException, action: str, where: str, endpoint: st
 
 
 class FsspecStorage(Storage):
-    """A folder (key prefix) on any fsspec filesystem (``S3Storage`` for ``s3://``,
-    which constructing this class with an S3 URL or filesystem gives too)."""
+    """A folder (key prefix) on any fsspec filesystem (``S3Storage`` for ``s3://``)."""
 
     atomic_write = True  # an object appears whole, on the completion of its PUT
     merge_reads_below = 32 << 20  # a ranged GET costs a round trip: fetch neighbours together
@@ -131,15 +129,6 @@ class FsspecStorage(Storage):
     # a create is refused when the name exists, but two racing writers are not provably
     # kept apart
     exclusive_create = False
-
-    def __new__(cls, url: str | None = None, *, fs: Any = None, **kwargs: Any) -> "FsspecStorage":
-        if cls is FsspecStorage:
-            protocol = fs.protocol if fs is not None else url_scheme(url or "")
-            protocols = protocol if isinstance(protocol, (tuple, list)) else (protocol,)
-            if {"s3", "s3a"}.intersection(protocols):
-                from .s3 import S3Storage
-                return object.__new__(S3Storage)
-        return object.__new__(cls)
 
     def __init__(self, url: str | None = None, *, fs: Any = None, path: str | None = None,
                  part_size: int = PART_SIZE, parallel_parts: int = PARALLEL_PARTS,
@@ -204,7 +193,7 @@ class FsspecStorage(Storage):
                 f = self.fs.open(path, "wb", block_size=self.part_size)
             try:
                 for part in parts:
-                    view = _bytes_view(part)
+                    view = bytes_view(part)
                     f.write(view)
                     written += len(view)
             except BaseException:
@@ -214,7 +203,7 @@ class FsspecStorage(Storage):
         except FileExistsError:
             raise
         except OSError as exc:
-            if _is_precondition_failed(exc):
+            if is_precondition_failed(exc):
                 raise FileExistsError(errno.EEXIST, "file exists", self._where(name)) from exc
             raise self._err(exc, "write", name) from exc
         return written

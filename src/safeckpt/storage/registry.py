@@ -11,7 +11,6 @@ editing safeckpt, and ``safeckpt.testing.StorageTests`` checks it.
 from __future__ import annotations
 
 import os
-import re
 from importlib.metadata import entry_points
 from typing import Any, Callable
 from urllib.parse import unquote, urlparse
@@ -19,24 +18,13 @@ from urllib.parse import unquote, urlparse
 from ..errors import StorageError
 from .base import Storage
 from .local import LocalStorage
+from .urls import url_scheme
 
 ENTRY_POINT_GROUP = "safeckpt.storage"
 Opener = Callable[..., Storage]
 
-_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 _LOCAL_OPTIONS = ("fs", "follow_symlinks")
 _openers: dict[str, Opener] = {}
-
-
-def url_scheme(text: str) -> str | None:
-    """The scheme of a URL (``"s3"`` for ``s3://bucket/key``), None for a plain path."""
-    m = _SCHEME.match(text)
-    return m.group(1).lower() if m else None
-
-
-def is_remote(text: str) -> bool:
-    """A URL of a backend other than the local filesystem."""
-    return url_scheme(text) not in (None, "file")
 
 
 def register(scheme: str, opener: Opener, *, replace: bool = False) -> None:
@@ -64,10 +52,11 @@ def _open_fsspec(url: str, **storage_options: Any) -> Storage:
         import fsspec  # noqa: F401
 
         from .fsspec import FsspecStorage
+        from .s3 import S3Storage
     except ImportError:
         raise StorageError(f"no storage backend for {url_scheme(url)}:// URLs ({url}); object stores "
                            "need the fsspec backend: pip install 'safeckpt[s3]'") from None
-    return FsspecStorage(url, **storage_options)
+    return (S3Storage if url_scheme(url) in ("s3", "s3a") else FsspecStorage)(url, **storage_options)
 
 
 def open_storage(url: "str | os.PathLike[str] | Storage", **storage_options: Any) -> Storage:

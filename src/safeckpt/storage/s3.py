@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator
 
 from ..errors import StorageError
 from .base import Buffer
-from .fsspec import (MAX_PARTS, PARALLEL_PARTS, PART_SIZE, WRITE_TOKEN, FsspecStorage, _bytes_view, _is_backend_error, _is_definite, _is_precondition_failed)
+from .fsspec import (MAX_PARTS, PARALLEL_PARTS, PART_SIZE, WRITE_TOKEN, FsspecStorage, bytes_view, is_backend_error, is_definite, is_precondition_failed)
 
 MIN_PART_SIZE = 5 << 20  # S3 refuses smaller parts (but the last)
 
@@ -74,9 +74,9 @@ class S3Storage(FsspecStorage):
         A 412 is a lost race -- or a retry (by botocore or s3fs) of our own request that
         had succeeded; a 5xx, timeout or lost connection leaves the outcome unknown.
         Either way the object is looked at: if it carries our write token, it is ours."""
-        if not _is_definite(exc) and self._ours(key, token):
+        if not is_definite(exc) and self._ours(key, token):
             return
-        if _is_precondition_failed(exc):
+        if is_precondition_failed(exc):
             raise FileExistsError(errno.EEXIST, f"{self._where(name)} exists (another writer "
                                   "created it first)", self._where(name)) from exc
         raise self._err(exc, "write", name) from exc
@@ -140,7 +140,7 @@ class S3Storage(FsspecStorage):
                 f.cancel()
             pool.shutdown(wait=True)
             self._abort(key, upload_id)
-            if isinstance(exc, (FileExistsError, StorageError)) or not _is_backend_error(exc):
+            if isinstance(exc, (FileExistsError, StorageError)) or not is_backend_error(exc):
                 raise  # our own verdicts, and the caller's errors from ``parts``, unchanged
             raise self._err(exc, "write", name) from exc
         finally:
@@ -158,7 +158,7 @@ class S3Storage(FsspecStorage):
             return self.part_size << min(count // 2000, 4)
 
         for part in parts:
-            view = _bytes_view(part)
+            view = bytes_view(part)
             while view:
                 if not buf and len(view) >= size():
                     piece, view = bytes(view[:size()]), view[size():]

@@ -1,0 +1,122 @@
+"""The package's shape holds: no import cycles, no private names imported across
+modules, the command line starts without torch, and the public listing, ``safeckpt ls``
+and ``safeckpt verify`` name every folder state the same way."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import safeckpt
+from safeckpt.cli import main as cli_main
+from test_corruption import future_version
+
+PACKAGE = Path(safeckpt.__file__).parent
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return out
+
+
+def _imports(path: Path, module: str, is_package: bool):
+    """(imported module, names) for every import at run time (``if TYPE_CHECKING:``
+    blocks are for type checkers only and are left out)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(node)}
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            where = base[:len(base) - node.level + 1] if node.level else []
+            target = ".".join(where + ([node.module] if node.module else [])) if node.level else node.module
+            yield target, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, []
+
+
+def test_no_module_imports_a_module_that_imports_it_back():
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for module, (path, is_package) in modules.items():
+        deps = set()
+        for target, names in _imports(path, module, is_package):
+            deps |= {f"{target}.{n}" for n in names if f"{target}.{n}" in modules} or {target}
+        graph[module] = {d for d in deps if d in modules and d != module and d != "safeckpt"}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            if m == goal:
+                return True
+            if m not in seen:
+                seen.add(m)
+                todo += graph.get(m, ())
+        return False
+
+    cycles = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps if reaches(b, a))
+    assert not cycles, cycles
+
+
+def test_no_private_name_is_imported_from_another_module():
+    modules = _modules()
+    found = []
+    for module, (path, is_package) in modules.items():
+        for target, names in _imports(path, module, is_package):
+            if target and target.startswith("safeckpt"):
+                found += [f"{module}: {target}.{n}" for n in names if n.startswith("_") and n != "__version__"]
+    assert not found, found
+
+
+def test_the_command_line_starts_without_torch():
+    code = ("import sys\nfrom safeckpt.cli import main\nassert main(['--help']) == 0\n"
+            "assert main(['--version']) == 0\nprint('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "False", out
+
+
+def test_listing_ls_and_verify_name_every_state_alike(tmp_path, capsys):
+    root = tmp_path / "run"
+    for step in (1, 2, 3, 4):
+        safeckpt.save({"w": torch.arange(64.0) + step}, root / f"step-{step:09d}", step=step)
+    torn = root / "step-000000002"
+    next(torn.glob("manifest-*.json")).unlink()
+    corrupt = root / "step-000000003"
+    next(corrupt.glob("manifest-*.json")).write_bytes(b'{"safeckpt": 2, torn')
+    future_version(root / "step-000000004")
+    (root / "step-000000005").mkdir()
+    retired = root / "step-000000006"
+    retired.mkdir()
+    (retired / "safeckpt-retired").write_bytes(b"retired\n")
+    expected = ["committed", "torn", "corrupt", "newer_format", "empty", "retired"]
+
+    listed = safeckpt.list_checkpoints(root)
+    assert [c.state.value for c in listed] == expected
+    assert [c.step for c in listed] == [1, 2, 3, 4, 5, 6]
+    assert listed[0].committed and listed[0].bytes > 256 and listed[0].tensor_count == 1
+    assert all(c.problem for c in listed[1:5]) and "upgrade" in listed[3].problem
+    assert listed[1].bytes > 0 and listed[1].tensor_count is None  # a torn save's files are counted
+
+    assert cli_main(["ls", str(root), "--json"]) == 0
+    assert [r["status"] for r in json.loads(capsys.readouterr().out)] == expected
+    assert cli_main(["verify", str(root), "--json"]) == 1  # corrupt, and a newer format it cannot check
+    verdicts = json.loads(capsys.readouterr().out)
+    assert [v["status"] for v in verdicts] == expected
+    assert cli_main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    for c in listed:
+        assert c.state.label in out
+    assert "1 committed, 1 torn, 1 corrupt, 1 newer format, 1 empty, 1 retired" in out

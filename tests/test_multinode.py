@@ -230,6 +230,38 @@ def test_sigkill_during_peer_replication_keeps_the_last_fully_replicated_step(se
     durable_exact(tmp_path, 2)
 
 
+def test_a_node_dying_before_it_records_a_resave_keeps_the_copy_it_replaces(server, tmp_path):
+    """Step 2 is committed on both disks only (its upload never finished); a resumed job
+    restores it and saves step 2 again, and node b's ranks die once that save is decided,
+    before b records it. Node a has recorded the new save but must keep the one it
+    replaces: that is the only copy of step 2 whole on the disks."""
+    save(server, tmp_path, [1, 2])
+    shutil.rmtree(tmp_path / "durable" / step_folder(2))
+    res = launch(server, tmp_path, "nodes_save", "resave", TWO_BY_TWO, steps=[2], kill_step=2, kill="record",
+                 victims=[2, 3], restore=True)
+    for r in (0, 1):
+        data = res.results("nodes_save", ranks=[r])[0]
+        assert data["restored"] == 2 and data["saves"]["2"]["is_save_aborted"], data
+    assert len(holdings(tmp_path, "a", 2)) == 2 and len(holdings(tmp_path, "b", 2)) == 1  # a: both saves
+    shutil.rmtree(tmp_path / "durable" / step_folder(2), ignore_errors=True)  # what the restore uploaded
+    res = restore(server, tmp_path, 2, name="restore-after-kill")
+    assert any("passed over" in w for w in res[0]["warnings"]), res[0]["warnings"]  # the undecided half
+
+
+def test_a_replica_that_fails_keeps_each_nodes_older_steps(server, tmp_path):
+    """keep_local=1: node b dies storing node a's replica of step 2. Node a must not
+    delete step 1, the last step whole on its disk alone: with node b and the durable
+    root both lost, step 1 restores from node a's disk."""
+    res = launch(server, tmp_path, "nodes_save", "save", TWO_BY_TWO, steps=[1, 2], kill_step=2, kill="peer",
+                 victims=[2], replicas=1, keep_local=1)
+    data = res.results("nodes_save", ranks=[0])[0]
+    assert "peer replica" in data["saves"]["2"]["message"] or data["saves"]["2"]["is_save_aborted"], data
+    assert holdings(tmp_path, "a", 1) and holdings(tmp_path, "a", 2)
+    shutil.rmtree(tmp_path / "local-b")
+    shutil.rmtree(tmp_path / "durable")
+    restore(server, tmp_path, 1, name="restore-a-only", replicas=1, keep_local=1)
+
+
 def test_corrupt_local_copy_falls_back_to_the_durable_copy(server, tmp_path):
     save(server, tmp_path, [1, 2])
     victim = next((tmp_path / "local-a" / step_folder(2)).glob("data-*-r00000.safetensors"))

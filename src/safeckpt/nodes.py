@@ -130,12 +130,25 @@ def read_holdings(folder: Storage) -> dict[str, Holding]:
     return out
 
 
-def drop_other_saves(folder: Storage, keep: str) -> None:
-    """After a node recorded save ``keep`` in ``folder``: records first, then data, of
-    every other save there (replaced ones and aborted attempts)."""
+def drop_aborted(folder: Storage, keep: str) -> None:
+    """After this node recorded save ``keep`` in ``folder``: the data of saves that no
+    valid record there names (attempts that never reached a decision). Saves recorded
+    here stay, and so do their files still arriving (a replica behind an older save)."""
+    held = read_holdings(folder)
+    folder.delete([n for n in folder.listdir()
+                   if (m := DATA_RE.fullmatch(n)) and m.group(1) != keep and m.group(1) not in held])
+
+
+def drop_replaced(folder: Storage, newer: Manifest) -> None:
+    """Once save ``newer`` is whole on the nodes' disks: records first, then data, of the
+    saves of this step recorded here *before* it (the ones it replaces). A later save
+    of the step, being written meanwhile (a loop that re-saves the step it restored),
+    is not touched."""
+    old = [sid for sid, h in read_holdings(folder).items() if h.manifest.created < newer.created
+           and sid != newer.save_id]
     listing = folder.listdir()
-    folder.delete([n for n in listing if n.startswith(RECORD_PREFIX) and f"{RECORD_PREFIX}{keep}-" not in n])
-    folder.delete([n for n in listing if (m := DATA_RE.fullmatch(n)) and m.group(1) != keep])
+    folder.delete([n for n in listing if any(n.startswith(f"{RECORD_PREFIX}{sid}-") for sid in old)])
+    folder.delete([n for n in listing if (m := DATA_RE.fullmatch(n)) and m.group(1) in old])
 
 
 def delete_local(folder: Storage) -> None:
@@ -238,7 +251,7 @@ class NodeSaveRun(SaveRun):
             mine = {n: f.size for n, f in manifest.files.items() if layout.node_of[cast(int, f.rank)] == layout.node_of[rank]}
             try:
                 write_record(self.storage, data, node_id(), mine, "own", manifest.save_id)
-                drop_other_saves(self.storage, manifest.save_id)
+                drop_aborted(self.storage, manifest.save_id)
             except Exception as exc:  # noqa: BLE001 - every rank learns of it below
                 error = describe_error(exc)
         failed = {layout.nodes[layout.node_of[r]]: e for r, e in enumerate(self.group.all_gather(error)) if e}
@@ -331,16 +344,23 @@ class NodeTier:
 
     # -- behind each save (background group, every rank, in order) -----------------------
     def behind(self, folder: str, data: bytes, replicate: bool = True) -> None:
+        """Replica, upload, then local retention: only once every node confirmed its
+        replica (without replicas: its record, before this runs) does a node delete what
+        the new save replaces, so a node lost meanwhile never takes the last copy that
+        survives it. A failed upload does not stop local retention."""
         m = decode_manifest(data, folder)
+        failed: dict[str, str] = {}
+        if self.replicas and replicate:
+            problems = self.background.all_gather(self._replicate(folder, m, data))
+            failed = {self.layout.nodes[self.layout.node_of[r]]: e for r, e in enumerate(problems) if e}
         try:
-            replica_error = self._replicate(folder, m, data) if self.replicas and replicate else None
             self._upload(folder, m)
         finally:
-            if self.is_leader:
-                self._retain_local()
-        if replica_error:
-            raise SaveAbortedError(f"node {node_id()}: the peer replica of step {m.step} is incomplete "
-                                   f"(the durable copy is not affected): {replica_error}")
+            if self.is_leader and not failed:
+                self._retain_local(m)
+        if failed:
+            raise SaveAbortedError(f"the peer replica of step {m.step} is incomplete on node(s) {sorted(failed)} "
+                                   f"(the durable copy is not affected; each node keeps its older steps): {failed}")
 
     def _replicate(self, folder: str, m: Manifest, data: bytes) -> str | None:
         """Node k's first rank sends its node's files to node k+1's (a ring); the receiver
@@ -436,13 +456,23 @@ class NodeTier:
         log.info("step %s is durable in %s", m.step, dst.url)
         self.manager._after_replication(final)
 
-    def _retain_local(self) -> None:
-        """This node keeps its newest ``keep_local`` recorded steps."""
+    def _retain_local(self, m: Manifest) -> None:
+        """After save ``m`` is whole on the nodes' disks: this node drops the saves of its
+        step that ``m`` replaces and keeps the newest ``keep_local`` recorded steps up to
+        it; older step folders without a record are aborted saves. Newer steps are left
+        alone: one only some nodes recorded (a job that died then) is not whole, and is
+        no reason to delete this."""
+        step = cast(int, m.step)
+        drop_replaced(self.local.child(step_folder(step)), m)
         keep = self.manager.local_retention.keep_last
-        recorded = [s for s in self.manager._step_folders(self.local)
-                    if read_holdings(self.local.child(step_folder(s)))]
-        for s in recorded[:-keep] if keep else []:
-            delete_local(self.local.child(step_folder(s)))
+        if not keep:
+            return
+        older = [s for s in self.manager._step_folders(self.local) if s < step]
+        recorded = [s for s in older if read_holdings(self.local.child(step_folder(s)))]
+        spared = set(recorded[max(0, len(recorded) - (keep - 1)):]) if keep > 1 else set()
+        for s in older:
+            if s not in spared:
+                delete_local(self.local.child(step_folder(s)))
 
     # -- restoring (foreground group, every rank) ----------------------------------------
     def holdings(self, step: int | None) -> dict[int, dict[str, Holding]]:

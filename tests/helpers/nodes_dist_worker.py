@@ -44,14 +44,15 @@ def problems(state: dict, rank: int, world: int, step: int) -> list[str]:
             + dw.compare(state["b"], bias(step), "b") + dw.compare(state["step"], step, "step"))
 
 
-ARMED: list[str] = []  # "local", "durable" or "peer": SIGKILL this rank at that write
+ARMED: list[str] = []  # "local", "durable", "peer" or "record": SIGKILL this rank at that write
 
 
 def _killer(path: Path, where: str, mine: set[int] = frozenset()):
     """``path`` as a storage that SIGKILLs this process once a data file is completely
     written and fsynced there, while ``where`` is in ``ARMED``; "peer" (on a local
     folder): once a data file of a rank not in ``mine`` (another node's) is stored
-    there. Children stay wrapped."""
+    there; "record" (on a local folder): just before the node records its own files of
+    a decided save. Children stay wrapped."""
     import signal
     import time
     from safeckpt.commit import DATA_RE
@@ -60,6 +61,9 @@ def _killer(path: Path, where: str, mine: set[int] = frozenset()):
 
     class KillAfterData(StorageWrapper):
         def write_file(self, name, parts):
+            if where == "local" and "record" in ARMED and name.startswith("holds-") and "-own-" in name:
+                os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(60)
             size = self.inner.write_file(name, parts)
             found = DATA_RE.fullmatch(name)
             peer = found and where == "local" and "peer" in ARMED and int(found.group(2)) not in mine
@@ -79,7 +83,7 @@ def _manager(ctx: dw.Ctx):
         ctx.opts.get("durable_url") or _killer(ctx.root / "durable", "durable"),
         storage_options=ctx.opts.get("storage_options"),
         local=_killer(ctx.root / f"local-{ctx.opts.get('local_of', {}).get(node, node)}", "local", {r for r, n in enumerate(ctx.opts["nodes"]) if n == node}),
-        keep_last=ctx.opts.get("keep_last", 2), keep_local=2, local_replicas=ctx.opts.get("replicas", 0),
+        keep_last=ctx.opts.get("keep_last", 2), keep_local=ctx.opts.get("keep_local", 2), local_replicas=ctx.opts.get("replicas", 0),
         async_save=ctx.opts.get("async_save", False))
 
 
@@ -88,7 +92,8 @@ def sc_nodes_save(ctx: dw.Ctx) -> dict:
     ``opts["restore"]``); ranks in ``opts["victims"]`` are SIGKILLed during the save of
     ``opts["kill_step"]`` once their data file is written to ``opts["kill"]`` ("local":
     their node's disk, before the commit decision; "durable": the upload after it;
-    "peer": once they store another node's file, the peer replica after the decision)."""
+    "peer": once they store another node's file, the peer replica after the decision;
+    "record": when their node is to record the decided save, before it does)."""
     out: dict[str, Any] = {"saves": {}}
     mgr = _manager(ctx)
     if ctx.opts.get("restore"):

@@ -128,8 +128,11 @@ def test_peer_replica_restores_a_lost_node_without_the_durable_root(server, tmp_
     shutil.rmtree(tmp_path / "local-b")
     shutil.rmtree(tmp_path / "durable")
     restore(server, tmp_path, 2, replicas=1)
-    # node b got its files back from node a, and recorded them
+    # node b got its files back from node a, and recorded them; with them on every
+    # node's disk, the restoring job uploaded step 2 to the (new) durable root
     assert len(holdings(tmp_path, "b", 2)[sid]) >= 2
+    assert committed(tmp_path / "durable") == [2]
+    durable_exact(tmp_path, 2)
 
 
 def test_async_saves(server, tmp_path):
@@ -289,6 +292,36 @@ def test_durable_root_on_s3(server, moto_server, tmp_path):
         got = safeckpt.load_state(folder, storage_options=options)
         assert torch.equal(got["m"], tw.mat_full(step)) and got["step"] == step
     assert not (tmp_path / "durable").exists()
+
+
+def test_sigkill_during_the_upload_to_s3(server, moto_server, tmp_path):
+    """Node b's ranks die once their step-2 file is in the bucket, before rank 0 writes
+    the durable manifest: the bucket holds no manifest of step 2, its step 1 restores,
+    and with node b's disk lost too, node a's disk (its own files and b's replica)
+    restores step 2 bit-exact; that job uploads step 2, which the killed one never did."""
+    from safeckpt.checkpoint import read_committed
+    from safeckpt.manifest import manifest_seq
+    from safeckpt.storage import open as open_storage
+    url, options = f"s3://{s3_bucket(moto_server)}/run", moto_server.options
+    remote = {"durable_url": url, "storage_options": options, "replicas": 1}
+    res = launch(server, tmp_path, "nodes_save", "save", TWO_BY_TWO, steps=[1, 2], kill_step=2, kill="durable",
+                 victims=[2, 3], **remote)
+    for r in (0, 1):
+        data = res.results("nodes_save", ranks=[r])[0]
+        assert data["saves"]["1"]["raised"] is None, data
+        assert data["saves"]["2"]["is_save_aborted"], data["saves"]["2"]
+    durable = open_storage(url, **options)
+    step2 = durable.child(step_folder(2)).listdir()
+    assert any(n.startswith("data-") for n in step2), step2  # the upload was under way ...
+    assert not [n for n in step2 if manifest_seq(n) is not None], step2  # ... and never committed
+    assert read_committed(durable.child(step_folder(1))).step == 1
+    got = safeckpt.load_state(f"{url}/{step_folder(1)}", storage_options=options)
+    assert torch.equal(got["m"], tw.mat_full(1)) and torch.equal(got["b"], tw.bias(1)) and got["step"] == 1
+    shutil.rmtree(tmp_path / "local-b")
+    restore(server, tmp_path, 2, name="restore-after-kill", **remote)
+    assert safeckpt.verify(f"{url}/{step_folder(2)}", storage_options=options).ok
+    got = safeckpt.load_state(f"{url}/{step_folder(2)}", storage_options=options)
+    assert torch.equal(got["m"], tw.mat_full(2)) and got["step"] == 2
 
 
 def test_unsupported_options_are_refused_before_anything_is_written(server, tmp_path):

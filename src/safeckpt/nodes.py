@@ -581,12 +581,14 @@ class NodeTier:
             try:
                 if got:
                     write_record(here, data, node_id(), got, f"restored-{os.urandom(4).hex()}", m.save_id)
-                    nodes[self.node] |= set(got)  # read from this disk now
             except (CheckpointError, OSError) as exc:
                 problems.append(f"recording {sorted(got)}: {exc}")
-        failed = {r: e for r, e in enumerate(self.group.all_gather("; ".join(problems) or None)) if e}
+        outcomes = self.group.all_gather(("; ".join(problems) or None, sorted(got)))
+        failed = {r: e for r, (e, _) in enumerate(outcomes) if e}
         if failed:
             raise CorruptCheckpointError(f"restoring {folder}: bringing files from other nodes failed: {failed}")
+        for r, (_, brought) in enumerate(outcomes):  # every rank of a node reads them from its disk now
+            nodes[self.layout.node_of[r]] |= set(brought)
 
 
 class Nearest(Storage):

@@ -47,8 +47,8 @@ def problems(state: dict, rank: int, world: int, step: int) -> list[str]:
 ARMED: list[str] = []  # "local", "durable", "peer" or "record": SIGKILL this rank at that write
 
 
-def _killer(path: Path, where: str, mine: set[int] = frozenset()):
-    """``path`` as a storage that SIGKILLs this process once a data file is completely
+def _killer(url: "str | Path", where: str, mine: set[int] = frozenset(), options: dict | None = None):
+    """``url`` (a folder, or an S3 test server's URL with its ``options``) as a storage that SIGKILLs this process once a data file is completely
     written and fsynced there, while ``where`` is in ``ARMED``; "peer" (on a local
     folder): once a data file of a rank not in ``mine`` (another node's) is stored
     there; "record" (on a local folder): just before the node records its own files of
@@ -56,7 +56,7 @@ def _killer(path: Path, where: str, mine: set[int] = frozenset()):
     import signal
     import time
     from safeckpt.commit import DATA_RE
-    from safeckpt.storage import LocalStorage
+    from safeckpt.storage import open as open_storage
     from safeckpt.storage.base import StorageWrapper
 
     class KillAfterData(StorageWrapper):
@@ -72,7 +72,7 @@ def _killer(path: Path, where: str, mine: set[int] = frozenset()):
                 time.sleep(60)
             return size
 
-    return KillAfterData(LocalStorage(str(path)))
+    return KillAfterData(open_storage(str(url), **(options or {})))
 
 
 def _manager(ctx: dw.Ctx):
@@ -80,8 +80,8 @@ def _manager(ctx: dw.Ctx):
     node = ctx.opts["nodes"][ctx.rank]
     os.environ["SAFECKPT_NODE_ID"] = node
     return safeckpt.CheckpointManager(
-        ctx.opts.get("durable_url") or _killer(ctx.root / "durable", "durable"),
-        storage_options=ctx.opts.get("storage_options"),
+        _killer(ctx.opts.get("durable_url") or ctx.root / "durable", "durable",
+                options=ctx.opts.get("storage_options")),
         local=_killer(ctx.root / f"local-{ctx.opts.get('local_of', {}).get(node, node)}", "local", {r for r, n in enumerate(ctx.opts["nodes"]) if n == node}),
         keep_last=ctx.opts.get("keep_last", 2), keep_local=ctx.opts.get("keep_local", 2), local_replicas=ctx.opts.get("replicas", 0),
         async_save=ctx.opts.get("async_save", False))

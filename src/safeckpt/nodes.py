@@ -162,34 +162,36 @@ def delete_local(folder: Storage) -> None:
 # -- bytes between ranks -------------------------------------------------------------
 
 
-def _send(group: TorchGroup, data: bytes, dst: int) -> None:
+def _send(group: TorchGroup, data: "bytes | bytearray", dst: int) -> None:
     import torch
     dist = group.dist
     peer = dist.get_global_rank(group.pg, dst)
     group._run("send", lambda: dist.send(torch.tensor([len(data)], dtype=torch.int64), peer, group=group.pg))
+    if not data:
+        return
+    # a view of the bytes, not a copy: torch only reads a buffer it is sending
+    whole = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
     for lo in range(0, len(data), SEND_BLOCK):
-        block = torch.frombuffer(bytearray(data[lo:lo + SEND_BLOCK]), dtype=torch.uint8)
-        group._run("send", lambda b=block: dist.send(b, peer, group=group.pg))
+        group._run("send", lambda b=whole[lo:lo + SEND_BLOCK]: dist.send(b, peer, group=group.pg))
 
 
-def _recv(group: TorchGroup, src: int) -> bytes:
+def _recv(group: TorchGroup, src: int) -> memoryview:
+    """The bytes ``_send`` sent, received in place into one buffer."""
     import torch
     dist = group.dist
     peer = dist.get_global_rank(group.pg, src)
     size = torch.zeros(1, dtype=torch.int64)
     group._run("recv", lambda: dist.recv(size, peer, group=group.pg))
-    out = bytearray()
+    out = torch.empty(int(size), dtype=torch.uint8)
     for lo in range(0, int(size), SEND_BLOCK):
-        block = torch.empty(min(SEND_BLOCK, int(size) - lo), dtype=torch.uint8)
-        group._run("recv", lambda b=block: dist.recv(b, peer, group=group.pg))
-        out += block.numpy().tobytes()
-    return bytes(out)
+        group._run("recv", lambda b=out[lo:lo + SEND_BLOCK]: dist.recv(b, peer, group=group.pg))
+    return memoryview(out.numpy())
 
 
-def _read_checked(folder: Storage, m: Manifest, name: str) -> bytes:
+def _read_checked(folder: Storage, m: Manifest, name: str) -> bytearray:
     """A whole data file, every checksummed range checked: rot is never copied on."""
     f = m.files[name]
-    return b"".join(_checked_parts(folder, name, f.size, file_checks(m).get(name, []), f.checksum))
+    return bytearray().join(_checked_parts(folder, name, f.size, file_checks(m).get(name, []), f.checksum))
 
 
 def send_file(group: TorchGroup, folder: Storage, m: Manifest, name: str, dst: int, problems: list[str]) -> None:
@@ -199,7 +201,7 @@ def send_file(group: TorchGroup, folder: Storage, m: Manifest, name: str, dst: i
         blob = _read_checked(folder, m, name)
     except (CheckpointError, OSError) as exc:
         problems.append(f"reading {name}: {exc}")
-        blob = b""
+        blob = bytearray()
     _send(group, blob, dst)
 
 
@@ -381,7 +383,7 @@ class NodeTier:
                 send_file(g, here, m, name, nxt, problems)
 
         def receive() -> dict[str, int]:
-            names = json.loads(_recv(g, prev))
+            names = json.loads(bytes(_recv(g, prev)))
             return {n: m.files[n].size for n in names if receive_file(g, here, m, n, prev, problems)}
 
         if k % 2 == 0:

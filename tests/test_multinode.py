@@ -258,11 +258,25 @@ def test_a_replica_that_fails_keeps_each_nodes_older_steps(server, tmp_path):
     res = launch(server, tmp_path, "nodes_save", "save", TWO_BY_TWO, steps=[1, 2], kill_step=2, kill="peer",
                  victims=[2], replicas=1, keep_local=1)
     data = res.results("nodes_save", ranks=[0])[0]
-    assert "peer replica" in data["saves"]["2"]["message"] or data["saves"]["2"]["is_save_aborted"], data
+    assert data["saves"]["2"]["is_save_aborted"], data
     assert holdings(tmp_path, "a", 1) and holdings(tmp_path, "a", 2)
     shutil.rmtree(tmp_path / "local-b")
     shutil.rmtree(tmp_path / "durable")
     restore(server, tmp_path, 1, name="restore-a-only", replicas=1, keep_local=1)
+
+
+def test_a_replica_that_fails_on_a_durable_save_does_not_stop_local_retention(server, tmp_path):
+    """keep_local=1: node b cannot store node a's replica of step 2 (nobody dies); step 2
+    is durable all the same, so each node deletes step 1 (the disks do not fill up), and
+    every rank is told the replica is incomplete."""
+    res = launch(server, tmp_path, "nodes_save", "save", TWO_BY_TWO, steps=[1, 2], kill_step=2, kill="refuse-peer",
+                 victims=[2], replicas=1, keep_local=1)
+    for r, data in enumerate(res.results("nodes_save")):
+        assert data["saves"]["2"]["is_save_aborted"] and "peer replica" in data["saves"]["2"]["message"], (r, data)
+    assert committed(tmp_path / "durable") == [1, 2]
+    durable_exact(tmp_path, 2)
+    assert not (tmp_path / "local-a" / step_folder(1)).exists() and not (tmp_path / "local-b" / step_folder(1)).exists()
+    restore(server, tmp_path, 2, replicas=1, keep_local=1)
 
 
 def test_corrupt_local_copy_falls_back_to_the_durable_copy(server, tmp_path):

@@ -13,7 +13,10 @@ Behind each save, on a background gloo group (never the training's), every rank 
 the same order: with ``local_replicas=1`` each node's first rank sends its node's files
 to the next node, which records them (``holds-<id>-peer.json``); then every rank copies
 its own data files to the durable root, and rank 0 writes the durable manifest last,
-once every rank has confirmed its upload.
+once every rank has confirmed its upload. A node deletes what a save replaces (older
+saves of its step, steps beyond ``keep_local``) only once that save is whole on the
+nodes' disks: recorded on every node and, with a replica, every node's replica
+confirmed (or the save is durable). So the loss of one node never takes the last local copy the others lack.
 
 Restore: the nodes' first ranks tell rank 0 what their disks hold; rank 0 picks the
 newest save whose files are all held by some node or by the durable root (a save
@@ -185,7 +188,7 @@ def _recv(group: TorchGroup, src: int) -> memoryview:
     out = torch.empty(int(size), dtype=torch.uint8)
     for lo in range(0, int(size), SEND_BLOCK):
         group._run("recv", lambda b=out[lo:lo + SEND_BLOCK]: dist.recv(b, peer, group=group.pg))
-    return memoryview(out.numpy())
+    return out.numpy().data
 
 
 def _read_checked(folder: Storage, m: Manifest, name: str) -> bytearray:
@@ -347,22 +350,25 @@ class NodeTier:
     # -- behind each save (background group, every rank, in order) -----------------------
     def behind(self, folder: str, data: bytes, replicate: bool = True) -> None:
         """Replica, upload, then local retention: only once every node confirmed its
-        replica (without replicas: its record, before this runs) does a node delete what
-        the new save replaces, so a node lost meanwhile never takes the last copy that
-        survives it. A failed upload does not stop local retention."""
+        replica (without replicas: its record, before this runs), or the save is durable,
+        does a node delete what the new save replaces, so a node lost meanwhile never
+        takes the last copy that survives it. A failed upload alone does not stop local
+        retention (the disks fill up otherwise)."""
         m = decode_manifest(data, folder)
         failed: dict[str, str] = {}
         if self.replicas and replicate:
             problems = self.background.all_gather(self._replicate(folder, m, data))
             failed = {self.layout.nodes[self.layout.node_of[r]]: e for r, e in enumerate(problems) if e}
+        durable = False
         try:
             self._upload(folder, m)
+            durable = True
         finally:
-            if self.is_leader and not failed:
+            if self.is_leader and (durable or not failed):
                 self._retain_local(m)
         if failed:
             raise SaveAbortedError(f"the peer replica of step {m.step} is incomplete on node(s) {sorted(failed)} "
-                                   f"(the durable copy is not affected; each node keeps its older steps): {failed}")
+                                   f"(the durable copy is not affected): {failed}")
 
     def _replicate(self, folder: str, m: Manifest, data: bytes) -> str | None:
         """Node k's first rank sends its node's files to node k+1's (a ring); the receiver

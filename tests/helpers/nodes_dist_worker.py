@@ -44,15 +44,17 @@ def problems(state: dict, rank: int, world: int, step: int) -> list[str]:
             + dw.compare(state["b"], bias(step), "b") + dw.compare(state["step"], step, "step"))
 
 
-ARMED: list[str] = []  # "local", "durable", "peer" or "record": SIGKILL this rank at that write
+ARMED: list[str] = []  # "local", "durable", "peer", "record": SIGKILL this rank there; "refuse-peer"
 
 
 def _killer(url: "str | Path", where: str, mine: set[int] = frozenset(), options: dict | None = None):
-    """``url`` (a folder, or an S3 test server's URL with its ``options``) as a storage that SIGKILLs this process once a data file is completely
-    written and fsynced there, while ``where`` is in ``ARMED``; "peer" (on a local
+    """``url`` (a folder, or an S3 test server's URL with its ``options``) as a storage
+    that SIGKILLs this process once a data file is completely written and fsynced
+    there, while ``where`` is in ``ARMED``; "peer" (on a local
     folder): once a data file of a rank not in ``mine`` (another node's) is stored
     there; "record" (on a local folder): just before the node records its own files of
-    a decided save. Children stay wrapped."""
+    a decided save. "refuse-peer": storing another node's file fails (EACCES), nobody
+    dies. Children stay wrapped."""
     import signal
     import time
     from safeckpt.commit import DATA_RE
@@ -64,8 +66,10 @@ def _killer(url: "str | Path", where: str, mine: set[int] = frozenset(), options
             if where == "local" and "record" in ARMED and name.startswith("holds-") and "-own-" in name:
                 os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(60)
-            size = self.inner.write_file(name, parts)
             found = DATA_RE.fullmatch(name)
+            if where == "local" and "refuse-peer" in ARMED and found and int(found.group(2)) not in mine:
+                raise PermissionError(13, "refused (test)", name)
+            size = self.inner.write_file(name, parts)
             peer = found and where == "local" and "peer" in ARMED and int(found.group(2)) not in mine
             if found and (where in ARMED or peer):
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -93,7 +97,8 @@ def sc_nodes_save(ctx: dw.Ctx) -> dict:
     ``opts["kill_step"]`` once their data file is written to ``opts["kill"]`` ("local":
     their node's disk, before the commit decision; "durable": the upload after it;
     "peer": once they store another node's file, the peer replica after the decision;
-    "record": when their node is to record the decided save, before it does)."""
+    "record": when their node is to record the decided save, before it does;
+    "refuse-peer": their node cannot store the peer replica, and lives)."""
     out: dict[str, Any] = {"saves": {}}
     mgr = _manager(ctx)
     if ctx.opts.get("restore"):

@@ -2,7 +2,7 @@
 """The whole benchmark suite in one run, on one disk: safeckpt against its peers and
 against the hardware's limits (``./run bench``).
 
-    python benchmarks/run_all.py            # full: 1 GiB, 20,000 tensors, a transformer; ~10 min
+    python benchmarks/run_all.py            # full: 1 GiB, 20,000 tensors, a transformer; ~17 min
     python benchmarks/run_all.py --quick    # CI smoke: tiny sizes, 1 repeat, asserts nothing about speed
     python benchmarks/run_all.py --big      # also the 4 GiB state (needs ~20 GiB RAM, ~10 GiB disk)
 

@@ -251,6 +251,24 @@ def test_a_node_dying_before_it_records_a_resave_keeps_the_copy_it_replaces(serv
     assert any("passed over" in w for w in res[0]["warnings"]), res[0]["warnings"]  # the undecided half
 
 
+def test_a_resave_of_the_restored_step_while_its_upload_runs(server, tmp_path):
+    """Step 2 is on the local disks only; a resumed job restores it (and uploads it
+    behind the restore) and at once saves step 2 again, replicated. The upload's
+    clean-up never touches the newer save; in the end both tiers hold the new save
+    alone, and it restores."""
+    save(server, tmp_path, [1, 2], replicas=1)
+    shutil.rmtree(tmp_path / "durable" / step_folder(2))
+    res = save(server, tmp_path, [2], name="resave", restore=True, replicas=1)
+    assert all(d["restored"] == 2 and d["saves"]["2"]["raised"] is None for d in res), res
+    sid = safeckpt.checkpoint.read_committed(LocalStorage(str(tmp_path / "durable" / step_folder(2)))).save_id
+    for node in "ab":
+        assert list(holdings(tmp_path, node, 2)) == [sid], (node, holdings(tmp_path, node, 2))
+        assert {p.name.split("-")[1] for p in (tmp_path / f"local-{node}" / step_folder(2)).glob("data-*")} == {sid}
+    durable_exact(tmp_path, 2)
+    shutil.rmtree(tmp_path / "durable")
+    restore(server, tmp_path, 2, replicas=1)
+
+
 def test_a_replica_that_fails_keeps_each_nodes_older_steps(server, tmp_path):
     """keep_local=1: node b dies storing node a's replica of step 2. Node a must not
     delete step 1, the last step whole on its disk alone: with node b and the durable

@@ -2,7 +2,7 @@
 """The whole benchmark suite in one run, on one disk: safeckpt against its peers and
 against the hardware's limits (``./run bench``).
 
-    python benchmarks/run_all.py            # full: 1 GiB, 20,000 tensors, a transformer; ~10 min
+    python benchmarks/run_all.py            # full: 1 GiB, 20,000 tensors, a transformer; ~17 min
     python benchmarks/run_all.py --quick    # CI smoke: tiny sizes, 1 repeat, asserts nothing about speed
     python benchmarks/run_all.py --big      # also the 4 GiB state (needs ~20 GiB RAM, ~10 GiB disk)
 
@@ -20,6 +20,8 @@ its AdamW state after one step). Sections (``--sections``, default all):
   incremental  10 saves of a 90%-frozen model: bytes and time, full vs incremental vs the
             peers; hashing overhead when nothing is shared (``incremental_bench.py``)
   tiered    local tier + S3 vs straight to S3: time blocked, time to durability
+  nodes     2 simulated nodes x 2 ranks: straight to the durable root (a local folder, S3) vs
+            node-local (+ peer replica) + durable: time blocked, time to durability (``nodes_bench.py``)
 Writes benchmarks/results/run_all.json, run_all.md and chart.png (``--quick``: under
 results/quick/), and prints Markdown tables ready for the README, ending with the targets.
 """
@@ -45,7 +47,7 @@ from common import (HERE, MiB, cpu_snapshot, default_dir, filesystem_of, flatten
                     other_cpu_share, setup_dcp, source_fingerprint, state_nbytes, versions, busy_note,
                     freeze_heap)
 
-SECTIONS = ["saveload", "async", "checksum", "rss", "dist", "s3", "incremental", "tiered"]
+SECTIONS = ["saveload", "async", "checksum", "rss", "dist", "s3", "incremental", "tiered", "nodes"]
 SECONDARY_LOADERS = {"safeckpt.load_state", "torch.load(mmap=True)"}
 
 
@@ -53,11 +55,12 @@ def config(args: argparse.Namespace) -> dict:
     if args.quick:
         c = dict(large_mib=16, n_large=50, n_small=500, small_kib=8, d_model=64, layers=2, repeat=1,
                  ranks=[2], dist_mib=16, s3_mib=8, rss_mib=[16], max_alone_s=0.3, window_s=0.3, slow_op_s=None,
-                 inc_mib=16, inc_saves=3, tier_mib=8)
+                 inc_mib=16, inc_saves=3, tier_mib=8, nodes_mib=8, nodes_saves=1)
     else:
         c = dict(large_mib=1024, n_large=50, n_small=20000, small_kib=8, d_model=512, layers=4, repeat=3,
                  ranks=[1, 2, 4], dist_mib=1024, s3_mib=128, rss_mib=[256, 1024], max_alone_s=1.0, window_s=2.0,
-                 slow_op_s=5.0, inc_mib=512, inc_saves=10, tier_mib=128)
+                 slow_op_s=5.0, inc_mib=512, inc_saves=10, tier_mib=128, nodes_mib=1024,
+                 nodes_saves=3)
     if args.repeat:
         c["repeat"] = args.repeat
     if args.ranks:
@@ -224,6 +227,7 @@ def report(res: dict) -> str:
     from checksum_bench import checksum_table
     from dist_bench import dist_table
     from incremental_bench import incremental_table, tiered_table
+    from nodes_bench import nodes_table
     from s3_bench import s3_table
     from save_load import case_table
 
@@ -254,6 +258,8 @@ def report(res: dict) -> str:
         out.append(incremental_table(res["incremental"]))
     if res.get("tiered"):
         out.append(tiered_table(res["tiered"]))
+    if res.get("nodes"):
+        out.append(nodes_table(res["nodes"]))
     out.append(targets_table(res["targets"]))
     return "\n".join(out)
 
@@ -299,7 +305,7 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix=".safeckpt-bench-", dir=base))
     can_drop = [True]
     res: dict = {"config": c, "saveload": {}, "async": {}, "checksum": {}, "rss": {}, "dist": {}, "s3": {},
-                 "incremental": {}, "tiered": {}}
+                 "incremental": {}, "tiered": {}, "nodes": {}}
     timing: dict[str, dict] = {}
 
     def section(name: str):
@@ -379,6 +385,11 @@ def main() -> int:
 
             with section("tiered"):
                 res["tiered"] = run_tiered(c["tier_mib"], c["n_large"], c["inc_saves"], workdir)
+        if "nodes" in sections:
+            from nodes_bench import run_nodes
+
+            with section("nodes"):
+                res["nodes"] = run_nodes(c["nodes_mib"], c["nodes_saves"], workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     for rec in timing.values():
@@ -410,7 +421,7 @@ def main() -> int:
     errors += [f"dist/{w}" for w, r in res["dist"].items() if r.get("error") or r.get("errors")]
     errors += [f"s3/{op}" for op in res["s3"].get("errors", {})]
     errors += [f"rss/{k}" for k, r in res["rss"].items() if "error" in r]
-    for name in ("s3", "tiered"):
+    for name in ("s3", "tiered", "nodes"):
         if res[name].get("error") and not res[name]["error"].startswith("skipped"):
             errors.append(name)
     if errors:

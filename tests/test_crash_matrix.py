@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import copy
 import functools
+import shutil
 import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import expected_warnings
+import nodes_crash_worker as nw
 import pytest
+import tiered_dist_worker as tw
 import torch
 
 import safeckpt
@@ -38,12 +42,14 @@ from safeckpt.run.lease import LEASE_RE
 from safeckpt.format.folder import read_committed
 from safeckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from safeckpt.run.garbage import RETIRED
-from safeckpt.format.names import step_folder
+from safeckpt.run.manager import step_folder
 from safeckpt.format.manifest import is_shared, manifest_seq
-from safeckpt.storage import Storage
+from safeckpt.run.nodes import read_holdings
+from safeckpt.storage import LocalStorage, Storage
 from safeckpt.testing import PROFILES, crash_points
 
 SCENARIOS = ("first-save", "overwrite", "manager-retention", "incremental-retention", "tiered-replication")
+ORDER = SCENARIOS + ("nodes-victim-a", "nodes-victim-b")  # rows of the matrix (the node cells: see the end)
 MAX_GARBAGE_FILES = 2  # one checkpoint's files (data + manifest) of the one interrupted save
 
 
@@ -379,7 +385,7 @@ def render_matrix() -> str:
              "max garbage files | runs leaving garbage | max garbage after retry | failures | s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for (profile, scenario), c in sorted(MATRIX.items(), key=lambda kv: (PROFILES.index(kv[0][0]),
-                                                                        SCENARIOS.index(kv[0][1]))):
+                                                                        ORDER.index(kv[0][1]))):
         outcomes = ", ".join(f"{k}: {v}" for k, v in sorted(c.outcomes.items()))
         lines.append(f"| {profile} | {scenario} | 1..{c.ops + 1} ({c.ops} ops + finished) | {c.runs} | "
                      f"{outcomes} | {c.max_garbage} | {c.garbage_runs} | {c.max_after_retry} | {len(c.failures)} | "
@@ -473,3 +479,232 @@ def test_manager_restore_reads_its_storage(profile: str) -> None:
     target = make_state(99)
     assert mgr.restore(target) == 2
     assert same(target, STATES["s2"])
+
+
+# -- the local tier on several nodes ------------------------------------------------------
+# Two simulated nodes, one gloo rank each; each node's local folder is a SimulatedDisk of
+# the profile in that rank's process (pickled between launches), the durable root a real
+# folder both share; local_replicas=1, keep_local=1, keep_last=1 (tests/helpers/
+# nodes_crash_worker.py). A resumed job restores step 1 and saves step 2: its data on
+# each node's disk, the commit decision recorded on both, the peer replica, the upload,
+# the durable manifest, retention on both tiers. The victim node loses power at its
+# operation k (on its disk or on the durable root; its process is SIGKILLed), with the
+# cell's outcome for its disk. After recovery:
+#
+# - whatever looks committed in the durable root loads exactly; the durable root still
+#   holds step 1 unless step 2 is committed there (retention never deleted the newest
+#   complete checkpoint), and likewise the nodes' disks hold step 1 whole unless step 2;
+# - a job on the same layout restores exactly the newest step whole on the disks or in
+#   the durable root, never one only partly there, and saves step 3 after it;
+# - a job whose victim node got an empty disk restores exactly the newest step whole on
+#   the other node's disk or in the durable root (so nothing committed in both tiers is
+#   lost with one node); with the durable root lost as well, the newest step whole on
+#   the other node's disk alone, and there always is one (the peer replica).
+#
+# The default suite crashes at the first operation of every phase (below) on a POSIX
+# disk (either node the victim) and a FUSE mount without rename (node a: its phases are
+# a superset of b's), one outcome (everything unsynced lost); ``-m slow`` crashes at
+# every k on every disk profile, both victims, the outcomes in turn.
+
+NODE_PROFILES = ("posix", "nfs", "windows", "fuse-object")
+NODE_OUTCOMES = ("drop", "kill", "power-cut#0", "power-cut#1")
+VICTIMS = {"a": 0, "b": 1}  # node -> its rank
+
+
+@pytest.fixture(scope="module")
+def nodes_server():
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    # a collective no rank answers (the victim is dead) fails after 8 s, not 300
+    srv = nw.NodesCrashForkServer(str(Path(safeckpt.__file__).resolve().parent.parent), env={"SAFECKPT_TIMEOUT": "8"})
+    yield srv
+    srv.close()
+
+
+def op_phase(kind: str, path: str, rank: int) -> str:
+    """Which part of the save a victim's operation belongs to (``other``: reads, listings)."""
+    name = path.rsplit("/", 1)[-1]
+    old = f"/{step_folder(1)}" in path
+    if "/durable" in path:
+        if kind == "write_file":
+            return {"manifest": "durable manifest", "data": "upload"}.get(name.split("-")[0], "other")
+        return "durable retention" if old and kind in ("delete", "remove_folder") else "other"
+    if old and kind in ("unlink", "rmdir"):
+        return "local retention"
+    if kind == "write" and name.startswith("holds-"):
+        return "local commit record" if "-own-" in name else "peer record"
+    if kind == "write" and name.startswith("data-"):
+        return "local write" if name.endswith(f"-r{rank:05d}.safetensors") else "peer replica"
+    return "other"
+
+
+def phase_starts(log: list, rank: int) -> list[int]:
+    """The first operation of every phase."""
+    seen: dict[str, int] = {}
+    for k, kind, path in log:
+        seen.setdefault(op_phase(kind, path, rank), k)
+    return sorted(k for phase, k in seen.items() if phase != "other")
+
+
+def nodes_expected(step: int) -> dict:
+    return {"m": tw.mat_full(step), "b": tw.bias(step), "step": step}
+
+
+def node_disks(root: Path, profile: str) -> dict:
+    return {n: nw.load_disk(root, n, profile).storage(nw.MOUNT) for n in VICTIMS}
+
+
+def whole_on(disks: list[Storage], step: int) -> bool:
+    """Some save of ``step`` has every file under a valid record on one of ``disks``."""
+    held: dict[str, set[str]] = {}
+    manifests: dict = {}
+    for disk in disks:
+        for sid, h in read_holdings(disk.child(step_folder(step))).items():
+            held.setdefault(sid, set()).update(h.files)
+            manifests[sid] = h.manifest
+    return any(set(m.files) <= held[sid] for sid, m in manifests.items())
+
+
+def durable_state(durable: Storage, step: int) -> str:
+    """``"ok"`` (committed, loads exactly), ``"none"`` (not committed) or ``"WRONG ..."``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            read_committed(durable.child(step_folder(step)))
+        except (CheckpointNotFoundError, CorruptCheckpointError):
+            return "none"
+        try:
+            loaded = safeckpt.load_state(durable.child(step_folder(step)))
+        except Exception as exc:  # noqa: BLE001
+            return f"WRONG: looks committed but does not load: {type(exc).__name__}: {exc}"
+    return "ok" if same(loaded, nodes_expected(step)) else "WRONG: committed but not the saved values"
+
+
+def node_garbage(disks: dict, durable: Storage) -> list[str]:
+    """Files no valid holding record covers on a node's disk, or no winning manifest in
+    the durable root (writer leases aside)."""
+    left = garbage(durable)
+    for node, disk in disks.items():
+        for folder in (n for n, size in disk.listdir().items() if size is None):
+            held = read_holdings(disk.child(folder))
+            used = {f for h in held.values() for f in h.files}
+            for name in disk.child(folder).listdir():
+                if name not in used and not any(name.startswith(f"holds-{sid}-") for sid in held):
+                    left.append(f"{node}:{folder}/{name}")
+    return left
+
+
+def nodes_after_crash(root: Path, profile: str, victim: str) -> dict:
+    """What the tiers hold after the crash, before any recovery touches them."""
+    durable = LocalStorage(str(root / "durable"))
+    disks = node_disks(root, profile)
+    return {"durable": {s: durable_state(durable, s) for s in (1, 2)},
+            "local": {s: whole_on(list(disks.values()), s) for s in (1, 2)},
+            "survivor": {s: whole_on([disks[n] for n in VICTIMS if n != victim], s) for s in (1, 2)},
+            "garbage": node_garbage(disks, durable), "crashed": (root / f"disk-{victim}.crash").exists()}
+
+
+def check_nodes_point(run: dict, recover: dict, after: dict, root: Path, profile: str) -> tuple[str, list[str]]:
+    problems = []
+    d, local = after["durable"], after["local"]
+    problems += [f"durable step {s}: {g}" for s, g in d.items() if g.startswith("WRONG")]
+    if d[2] != "ok" and d[1] != "ok":
+        problems.append(f"durable step 1 is {d[1]!r} although step 2 never committed there")
+    if not local[2] and not local[1]:
+        problems.append("the nodes' disks hold step 1 whole no more, although step 2 is not whole on them")
+    if not after["crashed"]:
+        if any(r["save"]["raised"] or r["close"]["raised"] for r in run.values()):
+            problems.append(f"no crash, yet the save failed: {run}")
+        if d[2] != "ok" or not local[2]:
+            problems.append(f"close() returned, yet after the power cut step 2 is durable {d[2]!r}, "
+                            f"whole on the disks: {local[2]}")
+    survivor = after["survivor"]
+    if not survivor[1] and not survivor[2]:
+        problems.append("the surviving node's disk holds no step whole: losing the victim's disk loses the local tier")
+    expect = {"same": 2 if local[2] or d[2] == "ok" else 1,
+              "wiped": 2 if survivor[2] or d[2] == "ok" else 1,
+              "alone": 2 if survivor[2] else 1 if survivor[1] else None}
+    how = {"same": "the same disks", "wiped": "the victim's disk wiped",
+           "alone": "the victim's disk and the durable root lost"}
+    for rank, data in recover.items():
+        for name, want in expect.items():
+            got = data[name]
+            if got["restore"]["raised"] or got["restored"] != want or got["problems"]:
+                problems.append(f"rank {rank}, restore with {how[name]}: "
+                                f"expected step {want}, got {got['restored']} {got['restore'].get('message', '')[:300]} "
+                                f"{got['problems'][:3]}")
+        if data["same"]["next"]["raised"]:
+            problems.append(f"rank {rank}: after recovery, save(3) raised {data['same']['next']['message'][:300]}")
+    durable3 = durable_state(LocalStorage(str(root / "durable")), 3)
+    if durable3 != "ok":
+        problems.append(f"after recovery, save(3) is {durable3!r} in the durable root")
+    if not whole_on(list(node_disks(root, profile).values()), 3):
+        problems.append("after recovery, save(3) is not whole on the nodes' disks")
+    label = f"local 2:{'whole' if local[2] else 'none'},durable 2:{'new' if d[2] == 'ok' else 'none'}"
+    return label, problems
+
+
+def run_nodes_cell(server, tmp_path, profile: str, victim: str, pick, outcome_of) -> Cell:
+    cell = MATRIX.setdefault((profile, f"nodes-victim-{victim}"), Cell())
+    started = time.perf_counter()
+    rank = VICTIMS[victim]
+
+    def launch(scenario: str, root: Path, **opts) -> dict:
+        res = server.launch(2, [scenario], root, root / f"out-{scenario}", timeout=60,
+                            opts={"profile": profile, **opts})
+        return {r: res.results(scenario, ranks=[r])[0] for r in range(2)
+                if (res.out / scenario / f"rank{r}.json").exists()}
+
+    base = tmp_path / "base"
+    base.mkdir()
+    launch("crash_setup", base)
+    probe = tmp_path / "probe"
+    shutil.copytree(base, probe)
+    log = launch("crash_save", probe, victim=victim, outcome="drop")[rank]["log"]
+    cell.ops = len(log)
+    for k in pick(log, rank):
+        outcome = outcome_of(k)
+        root = tmp_path / f"k{k}-{outcome}"
+        shutil.copytree(base, root)
+        cell.runs += 1
+        op = " ".join(map(str, log[k - 1][1:])) if k <= len(log) else "after close"
+        where = f"[{profile}, node {victim}] crash at op {k}/{len(log)} ({op}), {outcome}"
+        try:
+            run = launch("crash_save", root, victim=victim, outcome=outcome, k=k)
+            after = nodes_after_crash(root, profile, victim)
+            left = after["garbage"]
+            recover = launch("crash_recover", root, wipe=victim)
+            label, problems = check_nodes_point(run, recover, after, root, profile)
+            cell.max_after_retry = max(cell.max_after_retry, len(node_garbage(
+                node_disks(root, profile), LocalStorage(str(root / "durable")))))
+            if len(recover) != 2:
+                problems.append(f"a rank of the recovery failed: see {root}")
+        except Exception as exc:  # noqa: BLE001 - a launch or a check itself failed
+            label, left, problems = "ERROR", [], [f"{type(exc).__name__}: {exc}"]
+        cell.outcomes[label] += 1
+        cell.max_garbage = max(cell.max_garbage, len(left))
+        cell.garbage_runs += bool(left)
+        cell.failures += [f"{where}: {p}" for p in problems]
+        shutil.rmtree(root, ignore_errors=True)
+    cell.seconds += time.perf_counter() - started
+    return cell
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("profile, victim", [("posix", "a"), ("posix", "b"), ("fuse-object", "a")])
+def test_crash_matrix_nodes(nodes_server, tmp_path, profile: str, victim: str) -> None:
+    cell = run_nodes_cell(nodes_server, tmp_path, profile, victim,
+                          lambda log, rank: phase_starts(log, rank) + [len(log) + 1], lambda k: "drop")
+    assert cell.runs >= 6
+    assert not cell.failures, f"{len(cell.failures)} failing crash point(s):\n  " + "\n  ".join(cell.failures[:40])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("victim", list(VICTIMS))
+@pytest.mark.parametrize("profile", NODE_PROFILES)
+def test_crash_matrix_nodes_every_point(nodes_server, tmp_path, profile: str, victim: str) -> None:
+    cell = run_nodes_cell(nodes_server, tmp_path, profile, victim, lambda log, rank: range(1, len(log) + 2),
+                          lambda k: NODE_OUTCOMES[k % len(NODE_OUTCOMES)])
+    assert not cell.failures, f"{len(cell.failures)} failing crash point(s):\n  " + "\n  ".join(cell.failures[:40])

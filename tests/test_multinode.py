@@ -128,8 +128,11 @@ def test_peer_replica_restores_a_lost_node_without_the_durable_root(server, tmp_
     shutil.rmtree(tmp_path / "local-b")
     shutil.rmtree(tmp_path / "durable")
     restore(server, tmp_path, 2, replicas=1)
-    # node b got its files back from node a, and recorded them
+    # node b got its files back from node a, and recorded them; with them on every
+    # node's disk, the restoring job uploaded step 2 to the (new) durable root
     assert len(holdings(tmp_path, "b", 2)[sid]) >= 2
+    assert committed(tmp_path / "durable") == [2]
+    durable_exact(tmp_path, 2)
 
 
 def test_async_saves(server, tmp_path):
@@ -230,6 +233,70 @@ def test_sigkill_during_peer_replication_keeps_the_last_fully_replicated_step(se
     durable_exact(tmp_path, 2)
 
 
+def test_a_node_dying_before_it_records_a_resave_keeps_the_copy_it_replaces(server, tmp_path):
+    """Step 2 is committed on both disks only (its upload never finished); a resumed job
+    restores it and saves step 2 again, and node b's ranks die once that save is decided,
+    before b records it. Node a has recorded the new save but must keep the one it
+    replaces: that is the only copy of step 2 whole on the disks."""
+    save(server, tmp_path, [1, 2])
+    shutil.rmtree(tmp_path / "durable" / step_folder(2))
+    res = launch(server, tmp_path, "nodes_save", "resave", TWO_BY_TWO, steps=[2], kill_step=2, kill="record",
+                 victims=[2, 3], restore=True)
+    for r in (0, 1):
+        data = res.results("nodes_save", ranks=[r])[0]
+        assert data["restored"] == 2 and data["saves"]["2"]["is_save_aborted"], data
+    assert len(holdings(tmp_path, "a", 2)) == 2 and len(holdings(tmp_path, "b", 2)) == 1  # a: both saves
+    shutil.rmtree(tmp_path / "durable" / step_folder(2), ignore_errors=True)  # what the restore uploaded
+    res = restore(server, tmp_path, 2, name="restore-after-kill")
+    assert any("passed over" in w for w in res[0]["warnings"]), res[0]["warnings"]  # the undecided half
+
+
+def test_a_resave_of_the_restored_step_while_its_upload_runs(server, tmp_path):
+    """Step 2 is on the local disks only; a resumed job restores it (and uploads it
+    behind the restore) and at once saves step 2 again, replicated. The upload's
+    clean-up never touches the newer save; in the end both tiers hold the new save
+    alone, and it restores."""
+    save(server, tmp_path, [1, 2], replicas=1)
+    shutil.rmtree(tmp_path / "durable" / step_folder(2))
+    res = save(server, tmp_path, [2], name="resave", restore=True, replicas=1)
+    assert all(d["restored"] == 2 and d["saves"]["2"]["raised"] is None for d in res), res
+    sid = safeckpt.protocol.checkpoint.read_committed(LocalStorage(str(tmp_path / "durable" / step_folder(2)))).save_id
+    for node in "ab":
+        assert list(holdings(tmp_path, node, 2)) == [sid], (node, holdings(tmp_path, node, 2))
+        assert {p.name.split("-")[1] for p in (tmp_path / f"local-{node}" / step_folder(2)).glob("data-*")} == {sid}
+    durable_exact(tmp_path, 2)
+    shutil.rmtree(tmp_path / "durable")
+    restore(server, tmp_path, 2, replicas=1)
+
+
+def test_a_replica_that_fails_keeps_each_nodes_older_steps(server, tmp_path):
+    """keep_local=1: node b dies storing node a's replica of step 2. Node a must not
+    delete step 1, the last step whole on its disk alone: with node b and the durable
+    root both lost, step 1 restores from node a's disk."""
+    res = launch(server, tmp_path, "nodes_save", "save", TWO_BY_TWO, steps=[1, 2], kill_step=2, kill="peer",
+                 victims=[2], replicas=1, keep_local=1)
+    data = res.results("nodes_save", ranks=[0])[0]
+    assert data["saves"]["2"]["is_save_aborted"], data
+    assert holdings(tmp_path, "a", 1) and holdings(tmp_path, "a", 2)
+    shutil.rmtree(tmp_path / "local-b")
+    shutil.rmtree(tmp_path / "durable")
+    restore(server, tmp_path, 1, name="restore-a-only", replicas=1, keep_local=1)
+
+
+def test_a_replica_that_fails_on_a_durable_save_does_not_stop_local_retention(server, tmp_path):
+    """keep_local=1: node b cannot store node a's replica of step 2 (nobody dies); step 2
+    is durable all the same, so each node deletes step 1 (the disks do not fill up), and
+    every rank is told the replica is incomplete."""
+    res = launch(server, tmp_path, "nodes_save", "save", TWO_BY_TWO, steps=[1, 2], kill_step=2, kill="refuse-peer",
+                 victims=[2], replicas=1, keep_local=1)
+    for r, data in enumerate(res.results("nodes_save")):
+        assert data["saves"]["2"]["is_save_aborted"] and "peer replica" in data["saves"]["2"]["message"], (r, data)
+    assert committed(tmp_path / "durable") == [1, 2]
+    durable_exact(tmp_path, 2)
+    assert not (tmp_path / "local-a" / step_folder(1)).exists() and not (tmp_path / "local-b" / step_folder(1)).exists()
+    restore(server, tmp_path, 2, replicas=1, keep_local=1)
+
+
 def test_corrupt_local_copy_falls_back_to_the_durable_copy(server, tmp_path):
     save(server, tmp_path, [1, 2])
     victim = next((tmp_path / "local-a" / step_folder(2)).glob("data-*-r00000.safetensors"))
@@ -257,6 +324,36 @@ def test_durable_root_on_s3(server, moto_server, tmp_path):
         got = safeckpt.load_state(folder, storage_options=options)
         assert torch.equal(got["m"], tw.mat_full(step)) and got["step"] == step
     assert not (tmp_path / "durable").exists()
+
+
+def test_sigkill_during_the_upload_to_s3(server, moto_server, tmp_path):
+    """Node b's ranks die once their step-2 file is in the bucket, before rank 0 writes
+    the durable manifest: the bucket holds no manifest of step 2, its step 1 restores,
+    and with node b's disk lost too, node a's disk (its own files and b's replica)
+    restores step 2 bit-exact; that job uploads step 2, which the killed one never did."""
+    from safeckpt.protocol.checkpoint import read_committed
+    from safeckpt.format.manifest import manifest_seq
+    from safeckpt.storage import open as open_storage
+    url, options = f"s3://{s3_bucket(moto_server)}/run", moto_server.options
+    remote = {"durable_url": url, "storage_options": options, "replicas": 1}
+    res = launch(server, tmp_path, "nodes_save", "save", TWO_BY_TWO, steps=[1, 2], kill_step=2, kill="durable",
+                 victims=[2, 3], **remote)
+    for r in (0, 1):
+        data = res.results("nodes_save", ranks=[r])[0]
+        assert data["saves"]["1"]["raised"] is None, data
+        assert data["saves"]["2"]["is_save_aborted"], data["saves"]["2"]
+    durable = open_storage(url, **options)
+    step2 = durable.child(step_folder(2)).listdir()
+    assert any(n.startswith("data-") for n in step2), step2  # the upload was under way ...
+    assert not [n for n in step2 if manifest_seq(n) is not None], step2  # ... and never committed
+    assert read_committed(durable.child(step_folder(1))).step == 1
+    got = safeckpt.load_state(f"{url}/{step_folder(1)}", storage_options=options)
+    assert torch.equal(got["m"], tw.mat_full(1)) and torch.equal(got["b"], tw.bias(1)) and got["step"] == 1
+    shutil.rmtree(tmp_path / "local-b")
+    restore(server, tmp_path, 2, name="restore-after-kill", **remote)
+    assert safeckpt.verify(f"{url}/{step_folder(2)}", storage_options=options).ok
+    got = safeckpt.load_state(f"{url}/{step_folder(2)}", storage_options=options)
+    assert torch.equal(got["m"], tw.mat_full(2)) and got["step"] == 2
 
 
 def test_unsupported_options_are_refused_before_anything_is_written(server, tmp_path):

@@ -44,31 +44,39 @@ def problems(state: dict, rank: int, world: int, step: int) -> list[str]:
             + dw.compare(state["b"], bias(step), "b") + dw.compare(state["step"], step, "step"))
 
 
-ARMED: list[str] = []  # "local", "durable" or "peer": SIGKILL this rank at that write
+ARMED: list[str] = []  # "local", "durable", "peer", "record": SIGKILL this rank there; "refuse-peer"
 
 
-def _killer(path: Path, where: str, mine: set[int] = frozenset()):
-    """``path`` as a storage that SIGKILLs this process once a data file is completely
-    written and fsynced there, while ``where`` is in ``ARMED``; "peer" (on a local
+def _killer(url: "str | Path", where: str, mine: set[int] = frozenset(), options: dict | None = None):
+    """``url`` (a folder, or an S3 test server's URL with its ``options``) as a storage
+    that SIGKILLs this process once a data file is completely written and fsynced
+    there, while ``where`` is in ``ARMED``; "peer" (on a local
     folder): once a data file of a rank not in ``mine`` (another node's) is stored
-    there. Children stay wrapped."""
+    there; "record" (on a local folder): just before the node records its own files of
+    a decided save. "refuse-peer": storing another node's file fails (EACCES), nobody
+    dies. Children stay wrapped."""
     import signal
     import time
     from safeckpt.protocol.commit import DATA_RE
-    from safeckpt.storage import LocalStorage
+    from safeckpt.storage import open as open_storage
     from safeckpt.storage.base import StorageWrapper
 
     class KillAfterData(StorageWrapper):
         def write_file(self, name, parts):
-            size = self.inner.write_file(name, parts)
+            if where == "local" and "record" in ARMED and name.startswith("holds-") and "-own-" in name:
+                os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(60)
             found = DATA_RE.fullmatch(name)
+            if where == "local" and "refuse-peer" in ARMED and found and int(found.group(2)) not in mine:
+                raise PermissionError(13, "refused (test)", name)
+            size = self.inner.write_file(name, parts)
             peer = found and where == "local" and "peer" in ARMED and int(found.group(2)) not in mine
             if found and (where in ARMED or peer):
                 os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(60)
             return size
 
-    return KillAfterData(LocalStorage(str(path)))
+    return KillAfterData(open_storage(str(url), **(options or {})))
 
 
 def _manager(ctx: dw.Ctx):
@@ -76,10 +84,10 @@ def _manager(ctx: dw.Ctx):
     node = ctx.opts["nodes"][ctx.rank]
     os.environ["SAFECKPT_NODE_ID"] = node
     return safeckpt.CheckpointManager(
-        ctx.opts.get("durable_url") or _killer(ctx.root / "durable", "durable"),
-        storage_options=ctx.opts.get("storage_options"),
+        _killer(ctx.opts.get("durable_url") or ctx.root / "durable", "durable",
+                options=ctx.opts.get("storage_options")),
         local=_killer(ctx.root / f"local-{ctx.opts.get('local_of', {}).get(node, node)}", "local", {r for r, n in enumerate(ctx.opts["nodes"]) if n == node}),
-        keep_last=ctx.opts.get("keep_last", 2), keep_local=2, local_replicas=ctx.opts.get("replicas", 0),
+        keep_last=ctx.opts.get("keep_last", 2), keep_local=ctx.opts.get("keep_local", 2), local_replicas=ctx.opts.get("replicas", 0),
         async_save=ctx.opts.get("async_save", False))
 
 
@@ -88,7 +96,9 @@ def sc_nodes_save(ctx: dw.Ctx) -> dict:
     ``opts["restore"]``); ranks in ``opts["victims"]`` are SIGKILLed during the save of
     ``opts["kill_step"]`` once their data file is written to ``opts["kill"]`` ("local":
     their node's disk, before the commit decision; "durable": the upload after it;
-    "peer": once they store another node's file, the peer replica after the decision)."""
+    "peer": once they store another node's file, the peer replica after the decision;
+    "record": when their node is to record the decided save, before it does;
+    "refuse-peer": their node cannot store the peer replica, and lives)."""
     out: dict[str, Any] = {"saves": {}}
     mgr = _manager(ctx)
     if ctx.opts.get("restore"):

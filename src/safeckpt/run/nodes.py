@@ -13,7 +13,10 @@ Behind each save, on a background gloo group (never the training's), every rank 
 the same order: with ``local_replicas=1`` each node's first rank sends its node's files
 to the next node, which records them (``holds-<id>-peer.json``); then every rank copies
 its own data files to the durable root, and rank 0 writes the durable manifest last,
-once every rank has confirmed its upload.
+once every rank has confirmed its upload. A node deletes what a save replaces (older
+saves of its step, steps beyond ``keep_local``) only once that save is whole on the
+nodes' disks: recorded on every node and, with a replica, every node's replica
+confirmed (or the save is durable). So the loss of one node never takes the last local copy the others lack.
 
 Restore: the nodes' first ranks tell rank 0 what their disks hold; rank 0 picks the
 newest save whose files are all held by some node or by the durable root (a save
@@ -131,12 +134,25 @@ def read_holdings(folder: Storage) -> dict[str, Holding]:
     return out
 
 
-def drop_other_saves(folder: Storage, keep: str) -> None:
-    """After a node recorded save ``keep`` in ``folder``: records first, then data, of
-    every other save there (replaced ones and aborted attempts)."""
+def drop_aborted(folder: Storage, keep: str) -> None:
+    """After this node recorded save ``keep`` in ``folder``: the data of saves that no
+    valid record there names (attempts that never reached a decision). Saves recorded
+    here stay, and so do their files still arriving (a replica behind an older save)."""
+    held = read_holdings(folder)
+    folder.delete([n for n in folder.listdir()
+                   if (m := DATA_RE.fullmatch(n)) and m.group(1) != keep and m.group(1) not in held])
+
+
+def drop_replaced(folder: Storage, newer: Manifest) -> None:
+    """Once save ``newer`` is whole on the nodes' disks: records first, then data, of the
+    saves of this step recorded here *before* it (the ones it replaces). A later save
+    of the step, being written meanwhile (a loop that re-saves the step it restored),
+    is not touched."""
+    old = [sid for sid, h in read_holdings(folder).items() if h.manifest.created < newer.created
+           and sid != newer.save_id]
     listing = folder.listdir()
-    folder.delete([n for n in listing if n.startswith(RECORD_PREFIX) and f"{RECORD_PREFIX}{keep}-" not in n])
-    folder.delete([n for n in listing if (m := DATA_RE.fullmatch(n)) and m.group(1) != keep])
+    folder.delete([n for n in listing if any(n.startswith(f"{RECORD_PREFIX}{sid}-") for sid in old)])
+    folder.delete([n for n in listing if (m := DATA_RE.fullmatch(n)) and m.group(1) in old])
 
 
 def delete_local(folder: Storage) -> None:
@@ -150,34 +166,36 @@ def delete_local(folder: Storage) -> None:
 # -- bytes between ranks -------------------------------------------------------------
 
 
-def _send(group: TorchGroup, data: bytes, dst: int) -> None:
+def _send(group: TorchGroup, data: "bytes | bytearray", dst: int) -> None:
     import torch
     dist = group.dist
     peer = dist.get_global_rank(group.pg, dst)
     group._run("send", lambda: dist.send(torch.tensor([len(data)], dtype=torch.int64), peer, group=group.pg))
+    if not data:
+        return
+    # a view of the bytes, not a copy: torch only reads a buffer it is sending
+    whole = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
     for lo in range(0, len(data), SEND_BLOCK):
-        block = torch.frombuffer(bytearray(data[lo:lo + SEND_BLOCK]), dtype=torch.uint8)
-        group._run("send", lambda b=block: dist.send(b, peer, group=group.pg))
+        group._run("send", lambda b=whole[lo:lo + SEND_BLOCK]: dist.send(b, peer, group=group.pg))
 
 
-def _recv(group: TorchGroup, src: int) -> bytes:
+def _recv(group: TorchGroup, src: int) -> memoryview:
+    """The bytes ``_send`` sent, received in place into one buffer."""
     import torch
     dist = group.dist
     peer = dist.get_global_rank(group.pg, src)
     size = torch.zeros(1, dtype=torch.int64)
     group._run("recv", lambda: dist.recv(size, peer, group=group.pg))
-    out = bytearray()
+    out = torch.empty(int(size), dtype=torch.uint8)
     for lo in range(0, int(size), SEND_BLOCK):
-        block = torch.empty(min(SEND_BLOCK, int(size) - lo), dtype=torch.uint8)
-        group._run("recv", lambda b=block: dist.recv(b, peer, group=group.pg))
-        out += block.numpy().tobytes()
-    return bytes(out)
+        group._run("recv", lambda b=out[lo:lo + SEND_BLOCK]: dist.recv(b, peer, group=group.pg))
+    return out.numpy().data
 
 
-def _read_checked(folder: Storage, m: Manifest, name: str) -> bytes:
+def _read_checked(folder: Storage, m: Manifest, name: str) -> bytearray:
     """A whole data file, every checksummed range checked: rot is never copied on."""
     f = m.files[name]
-    return b"".join(checked_parts(folder, name, f.size, file_checks(m).get(name, []), f.checksum))
+    return bytearray().join(checked_parts(folder, name, f.size, file_checks(m).get(name, []), f.checksum))
 
 
 def send_file(group: TorchGroup, folder: Storage, m: Manifest, name: str, dst: int, problems: list[str]) -> None:
@@ -187,7 +205,7 @@ def send_file(group: TorchGroup, folder: Storage, m: Manifest, name: str, dst: i
         blob = _read_checked(folder, m, name)
     except (CheckpointError, OSError) as exc:
         problems.append(f"reading {name}: {exc}")
-        blob = b""
+        blob = bytearray()
     _send(group, blob, dst)
 
 
@@ -239,7 +257,7 @@ class NodeSaveRun(SaveRun):
             mine = {n: f.size for n, f in manifest.files.items() if layout.node_of[cast(int, f.rank)] == layout.node_of[rank]}
             try:
                 write_record(self.storage, data, node_id(), mine, "own", manifest.save_id)
-                drop_other_saves(self.storage, manifest.save_id)
+                drop_aborted(self.storage, manifest.save_id)
             except Exception as exc:  # noqa: BLE001 - every rank learns of it below
                 error = describe_error(exc)
         failed = {layout.nodes[layout.node_of[r]]: e for r, e in enumerate(self.group.all_gather(error)) if e}
@@ -332,16 +350,26 @@ class NodeTier:
 
     # -- behind each save (background group, every rank, in order) -----------------------
     def behind(self, folder: str, data: bytes, replicate: bool = True) -> None:
+        """Replica, upload, then local retention: only once every node confirmed its
+        replica (without replicas: its record, before this runs), or the save is durable,
+        does a node delete what the new save replaces, so a node lost meanwhile never
+        takes the last copy that survives it. A failed upload alone does not stop local
+        retention (the disks fill up otherwise)."""
         m = decode_manifest(data, folder)
+        failed: dict[str, str] = {}
+        if self.replicas and replicate:
+            problems = self.background.all_gather(self._replicate(folder, m, data))
+            failed = {self.layout.nodes[self.layout.node_of[r]]: e for r, e in enumerate(problems) if e}
+        durable = False
         try:
-            replica_error = self._replicate(folder, m, data) if self.replicas and replicate else None
             self._upload(folder, m)
+            durable = True
         finally:
-            if self.is_leader:
-                self._retain_local()
-        if replica_error:
-            raise SaveAbortedError(f"node {node_id()}: the peer replica of step {m.step} is incomplete "
-                                   f"(the durable copy is not affected): {replica_error}")
+            if self.is_leader and (durable or not failed):
+                self._retain_local(m)
+        if failed:
+            raise SaveAbortedError(f"the peer replica of step {m.step} is incomplete on node(s) {sorted(failed)} "
+                                   f"(the durable copy is not affected): {failed}")
 
     def _replicate(self, folder: str, m: Manifest, data: bytes) -> str | None:
         """Node k's first rank sends its node's files to node k+1's (a ring); the receiver
@@ -362,7 +390,7 @@ class NodeTier:
                 send_file(g, here, m, name, nxt, problems)
 
         def receive() -> dict[str, int]:
-            names = json.loads(_recv(g, prev))
+            names = json.loads(bytes(_recv(g, prev)))
             return {n: m.files[n].size for n in names if receive_file(g, here, m, n, prev, problems)}
 
         if k % 2 == 0:
@@ -437,13 +465,23 @@ class NodeTier:
         log.info("step %s is durable in %s", m.step, dst.url)
         self.manager._after_replication(final)
 
-    def _retain_local(self) -> None:
-        """This node keeps its newest ``keep_local`` recorded steps."""
+    def _retain_local(self, m: Manifest) -> None:
+        """After save ``m`` is whole on the nodes' disks: this node drops the saves of its
+        step that ``m`` replaces and keeps the newest ``keep_local`` recorded steps up to
+        it; older step folders without a record are aborted saves. Newer steps are left
+        alone: one only some nodes recorded (a job that died then) is not whole, and is
+        no reason to delete this."""
+        step = cast(int, m.step)
+        drop_replaced(self.local.child(step_folder(step)), m)
         keep = self.manager.local_retention.keep_last
-        recorded = [s for s in self.manager._step_folders(self.local)
-                    if read_holdings(self.local.child(step_folder(s)))]
-        for s in recorded[:-keep] if keep else []:
-            delete_local(self.local.child(step_folder(s)))
+        if not keep:
+            return
+        older = [s for s in self.manager._step_folders(self.local) if s < step]
+        recorded = [s for s in older if read_holdings(self.local.child(step_folder(s)))]
+        spared = set(recorded[max(0, len(recorded) - (keep - 1)):]) if keep > 1 else set()
+        for s in older:
+            if s not in spared:
+                delete_local(self.local.child(step_folder(s)))
 
     # -- restoring (foreground group, every rank) ----------------------------------------
     def holdings(self, step: int | None) -> dict[int, dict[str, Holding]]:
@@ -552,12 +590,14 @@ class NodeTier:
             try:
                 if got:
                     write_record(here, data, node_id(), got, f"restored-{os.urandom(4).hex()}", m.save_id)
-                    nodes[self.node] |= set(got)  # read from this disk now
             except (CheckpointError, OSError) as exc:
                 problems.append(f"recording {sorted(got)}: {exc}")
-        failed = {r: e for r, e in enumerate(self.group.all_gather("; ".join(problems) or None)) if e}
+        outcomes = self.group.all_gather(("; ".join(problems) or None, sorted(got)))
+        failed = {r: e for r, (e, _) in enumerate(outcomes) if e}
         if failed:
             raise CorruptCheckpointError(f"restoring {folder}: bringing files from other nodes failed: {failed}")
+        for r, (_, brought) in enumerate(outcomes):  # every rank of a node reads them from its disk now
+            nodes[self.layout.node_of[r]] |= set(brought)
 
 
 class Nearest(Storage):

@@ -152,19 +152,24 @@ class FaultyStorage(Storage):
     - ``stale_listings=n``: after a change to a folder, its next ``n`` listings return
       the snapshot taken before the change (like s3fs's listing cache).
     - ``latency``: seconds to sleep per operation (a float, or a dict per kind).
+    - ``counter``: another backend's ``OpCounter`` (``disk.counter``) to number the
+      operations in, instead of a new one: a process's operations on several storages
+      (a node's disk and the durable root it uploads to) crash at one point of one
+      sequence. ``crash_after``, ``faults``, ``latency`` and ``seed`` are then the counter's.
 
     Children (``child(name)``) share the counter, faults and byte budget."""
 
     def __init__(self, inner: Storage, *, crash_after: int | None = None, faults: Iterable[Fault] = (),
                  enospc_after_bytes: int | None = None, read_only: bool = False,
                  stale_listings: int = 0, latency: "float | dict[str, float]" = 0.0,
-                 torn: bool = True, seed: int | None = 0, _shared: "_Shared | None" = None) -> None:
+                 torn: bool = True, seed: int | None = 0, counter: "OpCounter | None" = None,
+                 _shared: "_Shared | None" = None) -> None:
         self.inner = inner
         self.url = inner.url
         self.atomic_write = inner.atomic_write
         self.exclusive_create = inner.exclusive_create
         if _shared is None:
-            _shared = _Shared(OpCounter(crash_after, faults, latency, seed), enospc_after_bytes,
+            _shared = _Shared(counter or OpCounter(crash_after, faults, latency, seed), enospc_after_bytes,
                               read_only, stale_listings, torn)
         self._s = _shared
 

@@ -289,7 +289,6 @@ class NodeSync:
             self.tier.behind(folder, data, replicate)
         except BaseException as exc:  # noqa: BLE001 - kept for wait(); training goes on
             self._error = exc
-            log.error("node tier: replicating %s failed: %s", folder, exc)
             warn(f"replicating {folder} behind the save failed (the local copies are intact): {exc}",
                  ReplicationWarning)
 

@@ -180,7 +180,6 @@ class Replicator:
             except Exception as exc:  # noqa: BLE001 - kept for wait()/close(); training goes on
                 with self._lock:
                     self._error = exc
-                log.error("replicating %s to %s failed: %s", folder, self.durable.url, exc)
                 warn(f"replicating {folder} to {self.durable.url} failed (the local copy is intact; the "
                      f"next save retries): {exc}", ReplicationWarning)
             except BaseException as exc:  # the thread is told to die (a simulated crash): stop

@@ -43,7 +43,8 @@ from safeckpt.manifest import is_shared, manifest_seq
 from safeckpt.storage import Storage
 from safeckpt.testing import PROFILES, crash_points
 
-SCENARIOS = ("first-save", "overwrite", "manager-retention", "incremental-retention", "tiered-replication")
+SCENARIOS = ("first-save", "overwrite", "async-overwrite", "manager-retention", "incremental-retention",
+             "tiered-replication")
 MAX_GARBAGE_FILES = 2  # one checkpoint's files (data + manifest) of the one interrupted save
 
 
@@ -142,6 +143,11 @@ def setup_overwrite(root: Storage) -> None:
 
 def run_overwrite(root: Storage) -> None:
     safeckpt.save(STATES["new"], root.child("ckpt"), overwrite=True)
+
+
+def run_async_overwrite(root: Storage) -> None:
+    """The same save as ``run_overwrite``, staged and committed by the background thread."""
+    safeckpt.async_save(STATES["new"], root.child("ckpt"), overwrite=True).result()
 
 
 MANAGER_OPTIONS = {"manager-retention": {"keep_last": 2},
@@ -347,6 +353,7 @@ def _garbage_problems(left: list[str]) -> list[str]:
 SCENARIO_FUNCS = {
     "first-save": (setup_first, run_first, check_first),
     "overwrite": (setup_overwrite, run_overwrite, check_overwrite),
+    "async-overwrite": (setup_overwrite, run_async_overwrite, check_overwrite),
     "manager-retention": (setup_manager, run_manager, check_manager),
     "incremental-retention": (functools.partial(setup_manager, scenario="incremental-retention"),
                               functools.partial(run_manager, scenario="incremental-retention"),

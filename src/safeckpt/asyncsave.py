@@ -55,6 +55,7 @@ class AsyncSaver:
     def __init__(self) -> None:
         self.pool = StagingPool()
         self.pending: SaveFuture | None = None
+        self._work: Callable[[], CheckpointInfo] | None = None  # the save in flight, freed by ``wait``
         self._lock = threading.Lock()
         _live.add(self)
 
@@ -89,7 +90,7 @@ class AsyncSaver:
         thread = threading.Thread(target=self._run, args=(future, work, on_done),
                                   name="safeckpt-async-save")  # not a daemon: exit waits for it
         with self._lock:
-            self.pending = future
+            self.pending, self._work = future, work
         thread.start()
         return future
 
@@ -107,7 +108,10 @@ class AsyncSaver:
         future.set_result(info)
 
     def wait(self) -> CheckpointInfo | None:
-        """Wait for the save in flight; raise its error unless someone already saw it."""
+        """Wait for the save in flight; raise its error unless someone already saw it.
+        The finished save's objects (a staged save holds a few per tensor) are freed
+        here, on the caller's thread: freeing them is Python work too, which the
+        background thread would do holding the GIL."""
         with self._lock:
             future = self.pending
         if future is None:
@@ -115,6 +119,9 @@ class AsyncSaver:
         seen = future.observed
         exc = Future.exception(future)  # waits without marking the error as seen
         future.observed = True
+        with self._lock:
+            if self.pending is future:
+                self._work = None
         if exc is None:
             return Future.result(future)
         if not seen:

@@ -17,14 +17,15 @@ ALGORITHM = "xxh3_64"
 STRONG = "xxh3_128"
 _HEXDIGEST = {ALGORITHM: xxhash.xxh3_64_hexdigest, STRONG: xxhash.xxh3_128_hexdigest}
 _HASHER = {ALGORITHM: xxhash.xxh3_64, STRONG: xxhash.xxh3_128}
-RELEASE_GIL_FROM = 64 << 10  # xxhash's one-shot functions hold the GIL; its hash objects release it
+RELEASE_GIL_FROM = 64 << 10  # xxhash 3.x's one-shot functions hold the GIL; hash objects release it
 
 
 def checksum(data, algorithm: str = ALGORITHM) -> str:
     """Return ``"<algorithm>:<hex digits>"`` for a bytes-like object. Data of
     ``RELEASE_GIL_FROM`` bytes or more is hashed with the GIL released (a background
     save's hashing must not stall the training thread); smaller data takes the cheaper
-    one-shot call. Both give the same digest."""
+    one-shot call (which xxhash >= 4 also runs without the GIL above 64 KiB). Both give
+    the same digest."""
     n = data.nbytes if isinstance(data, memoryview) else len(data)
     if n >= RELEASE_GIL_FROM:
         return f"{algorithm}:{_HASHER[algorithm](data).hexdigest()}"

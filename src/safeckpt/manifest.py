@@ -163,7 +163,12 @@ def encode_body(m: Manifest) -> bytes:
 
 def frame(raw: bytes) -> bytes:
     """A manifest's bytes on storage: the JSON body ``raw`` in its self-checksummed frame."""
-    return _PREFIX + raw + f',"checksum":"{checksum(raw)}"}}\n'.encode()
+    return b"".join(frame_parts(raw))
+
+
+def frame_parts(raw: "bytes | bytearray") -> list:
+    """``frame(raw)`` as the parts to write one after another (the body is not copied)."""
+    return [_PREFIX, raw, f',"checksum":"{checksum(raw)}"}}\n'.encode()]
 
 
 def _need(cond: bool, where: str, what: str) -> None:

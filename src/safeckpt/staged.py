@@ -20,7 +20,7 @@ from typing import Any, cast
 from .checksum import ALGORITHM, BLOCK_SIZE
 from .commit import Assignment, Intent, Report, SaveRun, write_manifest
 from .datafile import WrittenPiece, hashed_while_written, write_parts
-from .manifest import Manifest, encode_body, encode_manifest, frame
+from .manifest import Manifest, encode_body, encode_manifest, frame_parts
 from .names import data_file_name
 from .staging import StagedFile, StagingPool
 from .state import FlatState
@@ -55,16 +55,17 @@ class Placeholders:
         if len(found) == len(self.slots) == sum(1 for _ in pattern.finditer(body)):
             self.body, self.at = bytearray(body), [found[n] for n in range(len(self.slots))]
 
-    def result(self, manifest: Manifest) -> bytes:
-        """The manifest's bytes with the real checksums, once every piece is hashed."""
+    def result(self, manifest: Manifest) -> list:
+        """The manifest's bytes, as parts to write, with the real checksums, once every
+        piece is hashed."""
         if any(piece.checksums[k] == self._text(n) for n, (piece, k) in enumerate(self.slots)):
             raise RuntimeError("a large piece was not hashed before the commit")  # a bug, never a checkpoint
         if self.body is None:
-            return encode_manifest(manifest)
+            return [encode_manifest(manifest)]
         for at, (piece, k) in zip(self.at, self.slots):
             text = piece.checksums[k].encode()
             self.body[at:at + len(text)] = text
-        return frame(bytes(self.body))
+        return frame_parts(self.body)
 
 
 class StagedRun(SaveRun):

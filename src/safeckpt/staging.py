@@ -46,6 +46,12 @@ def _bytes_of(src: torch.Tensor) -> torch.Tensor:
     return src.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
 
 
+def _synchronize(devices: "set[torch.device]") -> None:
+    """Wait for the asynchronous copies from these GPUs (each device has its own queue)."""
+    for device in devices:
+        torch.cuda.synchronize(device)
+
+
 class StagingPool:
     """Host buffers keyed by piece name (or region), reused while shape and dtype stay."""
 
@@ -64,28 +70,28 @@ class StagingPool:
             del self.buffers[key]
 
     @staticmethod
-    def _copy(buf: torch.Tensor, src: torch.Tensor) -> bool:
-        """Copy ``src`` into a buffer of its shape and dtype; True when the copy is an
-        asynchronous one from a GPU (the caller synchronizes once)."""
+    def _copy(buf: torch.Tensor, src: torch.Tensor, pending: set) -> None:
+        """Copy ``src`` into a buffer of its shape and dtype; a copy from a GPU is
+        asynchronous, and its device is added to ``pending`` (synchronized once)."""
         if _plain(src):
             if buf.nbytes:
                 ctypes.memmove(buf.data_ptr(), src.data_ptr(), buf.nbytes)
-            return False
+            return
         buf.copy_(src.detach(), non_blocking=src.is_cuda)
-        return src.is_cuda
+        if src.is_cuda:
+            pending.add(src.device)
 
     def snapshot(self, flat: FlatState) -> FlatState:
         """Copy every piece into a buffer of its own; returns a FlatState that owns the
         copies."""
         pieces: dict[str, Piece] = {}
-        cuda = False
+        pending: set[torch.device] = set()
         for name, piece in flat.pieces.items():
             src = piece.tensor
             buf = self._buffer(name, src.shape, src.dtype, src.is_cuda)
-            cuda = self._copy(buf, src) or cuda
+            self._copy(buf, src, pending)
             pieces[name] = Piece(buf, piece.info)
-        if cuda:
-            torch.cuda.synchronize()  # the non-blocking copies must land before we return
+        _synchronize(pending)  # the non-blocking copies must land before we return
         self._keep_only(pieces)
         return FlatState(flat.tree, pieces, flat.aliases, flat.has_local)
 
@@ -98,13 +104,13 @@ class StagingPool:
         written: list[WrittenPiece] = []
         regions: list[tuple[int, int, torch.Tensor]] = []  # (first, stop, buffer) of each run of small pieces
         keys: set[str] = set()
-        cuda = False
+        pending: set[torch.device] = set()
         for i, j, small in runs(entries):
             if not small:
                 name, src, start, end = entries[i]
                 key = "piece:" + name
                 buf = self._buffer(key, src.shape, src.dtype, src.is_cuda)
-                cuda = self._copy(buf, src) or cuda
+                self._copy(buf, src, pending)
                 piece = WrittenPiece(name, start, end)
                 written.append(piece)
                 parts.append((byte_view(buf), piece))
@@ -121,13 +127,13 @@ class StagingPool:
                         ctypes.memmove(address + start - base, src.data_ptr(), end - start)
                     else:
                         buf[start - base:end - base].copy_(_bytes_of(src), non_blocking=src.is_cuda)
-                        cuda = cuda or src.is_cuda
+                        if src.is_cuda:
+                            pending.add(src.device)
                 regions.append((i, j, buf))
                 parts.append((byte_view(buf), None))
                 written.extend(WrittenPiece(name, start, end) for name, _, start, end in entries[i:j])
             keys.add(key)
-        if cuda:
-            torch.cuda.synchronize()  # the copies land before the small pieces are hashed
+        _synchronize(pending)  # the copies land before the small pieces are hashed (and we return)
         self._checksum_small(entries, regions, written)
         self._keep_only(keys)
         return StagedFile(parts, written)

@@ -20,10 +20,11 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 from .errors import SkippedCheckpointWarning, warn
+from . import manifestcache
 from .checkpoint import read_committed
 from .commit import DATA_RE
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
-from .manifest import STEP_RE, Manifest, decode_manifest, is_shared, manifest_seq, shared_location
+from .manifest import STEP_RE, Manifest, is_shared, manifest_seq, shared_location
 from .names import RETIRED  # noqa: F401
 from .storage import Storage
 
@@ -159,7 +160,7 @@ def _well_formed(folder: Storage, listing: dict[str, int | None]) -> dict[str, M
     for name in listing:
         if manifest_seq(name) is not None:
             try:
-                out[name] = decode_manifest(folder.read(name), f"{folder.url}/{name}")
+                out[name] = manifestcache.decode(folder.read(name), f"{folder.url}/{name}")
             except (CorruptCheckpointError, OSError):
                 continue
     return out

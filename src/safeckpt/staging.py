@@ -18,7 +18,7 @@ from typing import Union
 
 import torch
 
-from .checksum import block_checksums
+from .checksum import slice_checksums
 from .datafile import DataFileLayout, WrittenPiece, runs
 from .state import FlatState, Piece
 from .tensors import byte_view
@@ -144,10 +144,10 @@ class StagingPool:
         """Every small piece's checksums, from its region (just copied, still in cache);
         ``written`` is in the order of ``entries``."""
         for i, j, buf in regions:
-            view = byte_view(buf)
             base = entries[i][2]
-            for w in written[i:j]:
-                w.checksums = block_checksums(view[w.start - base:w.end - base])
+            pieces = written[i:j]
+            for w, sums in zip(pieces, slice_checksums(byte_view(buf), [(w.start - base, w.end - base) for w in pieces])):
+                w.checksums = sums
 
     @property
     def nbytes(self) -> int:

@@ -52,6 +52,13 @@ def _synchronize(devices: "set[torch.device]") -> None:
         torch.cuda.synchronize(device)
 
 
+def _checksum_region(buf: torch.Tensor, pieces: list[WrittenPiece]) -> None:
+    """The checksums of the small pieces packed in one region buffer."""
+    base = pieces[0].start
+    for w, sums in zip(pieces, slice_checksums(byte_view(buf), [(w.start - base, w.end - base) for w in pieces])):
+        w.checksums = sums
+
+
 class StagingPool:
     """Host buffers keyed by piece name (or region), reused while shape and dtype stay."""
 
@@ -102,7 +109,7 @@ class StagingPool:
         entries = layout.entries
         parts: list[tuple[Part, WrittenPiece | None]] = [(layout.header, None)]
         written: list[WrittenPiece] = []
-        regions: list[tuple[int, int, torch.Tensor]] = []  # (first, stop, buffer) of each run of small pieces
+        regions: list[tuple[int, int, torch.Tensor]] = []  # (first, stop, buffer) of regions copied from a GPU
         keys: set[str] = set()
         pending: set[torch.device] = set()
         for i, j, small in runs(entries):
@@ -129,25 +136,18 @@ class StagingPool:
                         buf[start - base:end - base].copy_(_bytes_of(src), non_blocking=src.is_cuda)
                         if src.is_cuda:
                             pending.add(src.device)
-                regions.append((i, j, buf))
                 parts.append((byte_view(buf), None))
                 written.extend(WrittenPiece(name, start, end) for name, _, start, end in entries[i:j])
+                if pinned:
+                    regions.append((i, j, buf))  # hashed once the copies from the GPU have landed
+                else:
+                    _checksum_region(buf, written[i:j])  # just copied: still in cache
             keys.add(key)
-        _synchronize(pending)  # the copies land before the small pieces are hashed (and we return)
-        self._checksum_small(entries, regions, written)
+        _synchronize(pending)  # the copies land before we return
+        for i, j, buf in regions:
+            _checksum_region(buf, written[i:j])
         self._keep_only(keys)
         return StagedFile(parts, written)
-
-    @staticmethod
-    def _checksum_small(entries: list[tuple[str, torch.Tensor, int, int]],
-                        regions: list[tuple[int, int, torch.Tensor]], written: list[WrittenPiece]) -> None:
-        """Every small piece's checksums, from its region (just copied, still in cache);
-        ``written`` is in the order of ``entries``."""
-        for i, j, buf in regions:
-            base = entries[i][2]
-            pieces = written[i:j]
-            for w, sums in zip(pieces, slice_checksums(byte_view(buf), [(w.start - base, w.end - base) for w in pieces])):
-                w.checksums = sums
 
     @property
     def nbytes(self) -> int:

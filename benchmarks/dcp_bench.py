@@ -162,6 +162,18 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def run_dcp(worlds: list[int], size_mib: int, n_large: int, n_small: int, repeat: int, workdir: Path,
+            timeout: float = 1800) -> dict:
+    """Every world size in its own set of processes; ``{world: rank 0's results}``."""
+    res = {}
+    for w in worlds:
+        print(f"  [dcp] {w} rank(s)", file=sys.stderr, flush=True)
+        extra = ["--size-mib", str(size_mib), "--n-large", str(n_large), "--n-small", str(n_small),
+                 "--repeat", str(repeat)]
+        res[str(w)] = launch_ranks(Path(__file__).resolve(), w, extra, workdir / f"dcp-{w}", timeout=timeout)
+    return res
+
+
 def main() -> int:
     p = bench_parser(__doc__, "dcp.json")
     p.add_argument("--n-large", type=int, default=50)
@@ -175,13 +187,9 @@ def main() -> int:
         args.size_mib, args.n_small, args.repeat = 16, 2000, 1
     base = (Path(args.dir) if args.dir else default_dir()).resolve()
     workdir = Path(tempfile.mkdtemp(prefix=".safeckpt-bench-", dir=base))
-    res = {}
     try:
-        for w in [int(x) for x in args.ranks.split(",")]:
-            print(f"  [dcp] {w} rank(s)", file=sys.stderr, flush=True)
-            extra = ["--size-mib", str(args.size_mib), "--n-large", str(args.n_large), "--n-small",
-                     str(args.n_small), "--repeat", str(args.repeat)]
-            res[str(w)] = launch_ranks(Path(__file__).resolve(), w, extra, workdir / f"dcp-{w}", timeout=1800)
+        res = run_dcp([int(x) for x in args.ranks.split(",")], args.size_mib, args.n_large, args.n_small,
+                      args.repeat, workdir)
     finally:
         remove(workdir)
     print(table(res))

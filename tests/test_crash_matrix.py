@@ -41,14 +41,15 @@ import safeckpt
 from safeckpt.run.lease import LEASE_RE
 from safeckpt.format.folder import read_committed
 from safeckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from safeckpt.run.garbage import RETIRED
+from safeckpt.format.names import RETIRED
 from safeckpt.run.manager import step_folder
 from safeckpt.format.manifest import is_shared, manifest_seq
 from safeckpt.run.nodes import read_holdings
 from safeckpt.storage import LocalStorage, Storage
 from safeckpt.testing import PROFILES, crash_points
 
-SCENARIOS = ("first-save", "overwrite", "manager-retention", "incremental-retention", "tiered-replication")
+SCENARIOS = ("first-save", "overwrite", "async-overwrite", "manager-retention", "incremental-retention",
+             "tiered-replication")
 ORDER = SCENARIOS + ("nodes-victim-a", "nodes-victim-b")  # rows of the matrix (the node cells: see the end)
 MAX_GARBAGE_FILES = 2  # one checkpoint's files (data + manifest) of the one interrupted save
 
@@ -148,6 +149,11 @@ def setup_overwrite(root: Storage) -> None:
 
 def run_overwrite(root: Storage) -> None:
     safeckpt.save(STATES["new"], root.child("ckpt"), overwrite=True)
+
+
+def run_async_overwrite(root: Storage) -> None:
+    """The same save as ``run_overwrite``, staged and committed by the background thread."""
+    safeckpt.async_save(STATES["new"], root.child("ckpt"), overwrite=True).result()
 
 
 MANAGER_OPTIONS = {"manager-retention": {"keep_last": 2},
@@ -353,6 +359,7 @@ def _garbage_problems(left: list[str]) -> list[str]:
 SCENARIO_FUNCS = {
     "first-save": (setup_first, run_first, check_first),
     "overwrite": (setup_overwrite, run_overwrite, check_overwrite),
+    "async-overwrite": (setup_overwrite, run_async_overwrite, check_overwrite),
     "manager-retention": (setup_manager, run_manager, check_manager),
     "incremental-retention": (functools.partial(setup_manager, scenario="incremental-retention"),
                               functools.partial(run_manager, scenario="incremental-retention"),

@@ -40,7 +40,7 @@ import safeckpt
 from safeckpt.run import garbage
 from safeckpt.format.folder import read_committed
 from safeckpt.protocol.incremental import split_box
-from safeckpt.format.names import step_folder
+from safeckpt.format.names import RETIRED, step_folder
 from safeckpt.format.manifest import is_shared
 from safeckpt.storage import LocalStorage
 from safeckpt.storage import open as open_storage
@@ -142,7 +142,7 @@ def check_reachability(root: Path, mgr: safeckpt.CheckpointManager, collected: b
         names = set(os.listdir(root / folder))
         step = int(folder[5:])
         if step in committed:
-            assert garbage.RETIRED not in names, f"{folder} is committed and marked retired: {names}"
+            assert RETIRED not in names, f"{folder} is committed and marked retired: {names}"
             continue
         assert garbage.RETIRED in names, f"{folder} is neither committed nor retired: {names}"
         assert mgr._read(step).state == "retired"

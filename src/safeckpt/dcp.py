@@ -47,11 +47,10 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.futures import Future
 
 from .format import codec
-from .protocol.checkpoint import PathLike, new_save_id, plain_values
-from .format.folder import read_committed
+from .protocol.checkpoint import PathLike, new_save_id, plain_values, read_committed
 from .format.checksum import checksum
-from .protocol.commit import (check_visible, data_file_name, describe_error, read_existing, refuse_existing, remove_quietly,
-                     retire_replaced, write_manifest)
+from .protocol.commit import (check_visible, data_file_name, describe_error, file_metadata, read_existing, refuse_existing,
+                     remove_quietly, retire_replaced, write_manifest)
 from .protocol.datafile import WrittenPiece, plan_layout, write_data_file
 from .errors import (CheckpointError, CorruptCheckpointError, SaveAbortedError,
                      UnsupportedFeatureError)
@@ -268,7 +267,7 @@ class Writer(StorageWriter, BlockingAsyncStager):
         if len(set(keys)) < len(keys):  # several chunks of one tensor on this rank
             keys = [f"{k}@{','.join(map(str, item.tensor_data.chunk.offsets))}" for k, (item, _) in zip(keys, tensors)]
         layout = plan_layout([(k, t) for k, (_, t) in zip(keys, tensors)],
-                             {"format": "pt", "safeckpt_save_id": assigned.save_id})
+                             file_metadata(assigned.save_id))
         written: list[WrittenPiece] = []
         size = write_data_file(self.storage, name, layout, written)
         entry = FileEntry(name, size, rank=assigned.rank, header_size=len(layout.header),

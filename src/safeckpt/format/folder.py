@@ -14,7 +14,8 @@ from typing import Any, Mapping
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, SkippedCheckpointWarning, StorageError,
                       UnsupportedFormatError, warn)
 from ..storage import Storage
-from .manifest import Manifest, decode_manifest
+from . import manifestcache
+from .manifest import Manifest
 from .states import CheckpointState
 from .names import DATA_RE, RETIRED as RETIRED_MARKER, STEP_RE, is_shared, manifest_seq, shared_location
 
@@ -102,7 +103,7 @@ def read_committed(storage: Storage, listing: dict[str, int | None] | None = Non
     for seq, name in seqs:
         where = f"{storage.url}/{name}"
         try:
-            m = decode_manifest(storage.read(name), where)
+            m = manifestcache.decode(storage.read(name), where)
             if m.seq != seq:
                 raise CorruptCheckpointError(f"{where}: records sequence {m.seq}, its name says {seq}")
             _check_files(storage, m, listing, where)
@@ -142,14 +143,14 @@ def retire(storage: Storage, keep: Manifest | None, spare: "set[str] | frozenset
     doomed: set[str] = {n for n in listing if DATA_RE.fullmatch(n)} if keep is None else set()
     for name in older:
         try:
-            doomed.update(decode_manifest(storage.read(name), name).files)
+            doomed.update(manifestcache.decode(storage.read(name), name).files)
         except (CorruptCheckpointError, OSError):
             continue
     needed = set(keep.files) if keep is not None else set()
     unknown = False  # a newer commit in progress: what it names is unknown
     for name in (name for seq, name in seqs if keep is not None and seq > keep.seq):
         try:
-            needed.update(decode_manifest(storage.read(name), name).files)
+            needed.update(manifestcache.decode(storage.read(name), name).files)
         except (CorruptCheckpointError, OSError):
             unknown = True
             break

@@ -144,12 +144,25 @@ class SaveRequest:
             return lambda: flat
         return lambda: flatten(state, self.allow_pickle, self.group.rank)
 
+    def start(self, runner: "Callable[..., SaveRun] | None" = None) -> SaveRun:
+        """The protocol's run for this save, not yet started (``runner``: its class)."""
+        return (runner or self.runner)(self.group, self.storage, overwrite=self.overwrite, step=self.step,
+                                       metadata=self.metadata, metrics=self.metrics, new_save_id=new_save_id,
+                                       existing=read_existing, before_commit=self.before_commit,
+                                       run_id=self.run_id, chunk_size=self.chunk_size, base=self.base)
+
+    @property
+    def stageable(self) -> bool:
+        """Whether every per-tensor step can run before the data is written: a full save
+        by one process with the plain protocol (``staged.StagedRun``)."""
+        return self.group.size == 1 and self.chunk_size is None and self.runner is SaveRun
+
     def run(self, flattener: Callable[[], FlatState], started: float) -> CheckpointInfo:
         """Run the commit protocol; returns once the checkpoint is committed."""
-        manifest = self.runner(self.group, self.storage, overwrite=self.overwrite, step=self.step,
-                           metadata=self.metadata, metrics=self.metrics, new_save_id=new_save_id,
-                           existing=read_existing, before_commit=self.before_commit,
-                           run_id=self.run_id, chunk_size=self.chunk_size, base=self.base).run(flattener)
+        return self.info(self.start().run(flattener), started)
+
+    def info(self, manifest: Manifest, started: float) -> CheckpointInfo:
+        """What the committed save of ``manifest`` (begun at ``started``) produced."""
         return CheckpointInfo(path=self.storage.url, save_id=manifest.save_id, seq=manifest.seq,
                               step=self.step, bytes=manifest.total_bytes, files=list(manifest.files),
                               seconds=time.perf_counter() - started, world_size=manifest.world_size,

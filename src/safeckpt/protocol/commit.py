@@ -22,7 +22,7 @@ from typing import Any, Callable, cast
 from ..errors import CleanupWarning, warn
 from ..format.checksum import BLOCK_SIZE, checksum
 from ..format.folder import read_committed, retire, shared_by_siblings
-from .datafile import WrittenPiece, plan_layout, write_data_file
+from .datafile import DataFileLayout, WrittenPiece, plan_layout, write_data_file
 from ..format.names import DATA_RE, data_file_name  # noqa: F401
 from .incremental import ChunkDigest, Source, Stored, chunk_key, digest_pieces, plan_reuse, reuse_index
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError,
@@ -76,6 +76,11 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def file_metadata(save_id: str) -> dict[str, str]:
+    """The safetensors ``__metadata__`` of a save's data files."""
+    return {"format": "pt", "safeckpt_save_id": save_id}
+
+
 
 
 class SaveRun:
@@ -111,6 +116,12 @@ class SaveRun:
         self.where = storage.url  # what the ranks must agree they save to
 
     def run(self, flatten: Any) -> Manifest:
+        return self.finish(*self.prepare(flatten))
+
+    def prepare(self, flatten: Any) -> "tuple[FlatState | None, list[Intent], Assignment]":
+        """Phase 1 (and the chunk hashes of an incremental save): this rank's pieces,
+        every rank's intent (rank 0 only) and what this rank writes. Raises, on every
+        rank, when the save is refused or failed."""
         flat = self._guard(flatten)
         intent = Intent(self.where, self.step, [p.info for p in flat.pieces.values()] if flat else [],
                         flat.aliases if flat else {}, flat.tree if flat else None,
@@ -123,10 +134,14 @@ class SaveRun:
             self._raise(mine.abort, mine.errors, mine.exists)
         if self.chunk_size is not None:
             self._deduplicate(flat, mine)
+        return flat, cast("list[Intent]", intents), mine
+
+    def finish(self, flat: FlatState | None, intents: list[Intent], mine: Assignment) -> Manifest:
+        """Phases 2 and 3: write this rank's data file, then rank 0 commits."""
         report = self._write(flat, mine)
         try:
             reports = self.group.gather(report)
-            outcome = self._commit(cast("list[Intent]", intents), cast("list[Report]", reports), mine) \
+            outcome = self._commit(intents, cast("list[Report]", reports), mine) \
                 if self.group.rank == 0 else None
             outcome = self.group.broadcast(outcome)
         except BaseException:  # interrupted (or lost the other ranks) before the outcome
@@ -202,23 +217,12 @@ class SaveRun:
         mine.write = [chunk_key(digests[i], digests[i].shape == shapes[digests[i].name]) for i in answer.chunks]
 
     # -- phase 2 ---------------------------------------------------------------------
-    def _write(self, flat: FlatState, mine: Assignment) -> Report:
+    def _write(self, flat: FlatState | None, mine: Assignment) -> Report:
         if not mine.write:
             return Report()
         name = data_file_name(mine.save_id, self.group.rank)
         try:
-            known = None
-            if self.chunk_size is None:
-                items = [(n, flat.pieces[n].tensor) for n in mine.write]
-            else:
-                items = [(key, self.own[i][1]) for key, i in zip(mine.write, mine.chunks)]
-                known = [[self.own[i][0].digest] for i in mine.chunks]
-            layout = plan_layout(items, {"format": "pt", "safeckpt_save_id": mine.save_id})
-            written: list[WrittenPiece] = []
-            size = write_data_file(self.storage, name, layout, written, known)
-            entry = FileEntry(name, size, rank=self.group.rank, header_size=len(layout.header),
-                              header_checksum=checksum(layout.header))
-            return Report(entry, written)
+            return self._write_file(cast(FlatState, flat), mine, name)  # a rank with writes has pieces
         except BaseException as exc:
             if not isinstance(exc, FileExistsError):
                 self._remove(name)
@@ -226,6 +230,28 @@ class SaveRun:
                 raise
             self.local_error = exc
             return Report(error=describe_error(exc))
+
+    def _write_file(self, flat: FlatState, mine: Assignment, name: str) -> Report:
+        """Write this rank's data file ``name``; its entry and where each piece landed."""
+        known = None
+        if self.chunk_size is None:
+            layout = self._layout(flat, mine)
+        else:
+            items = [(key, self.own[i][1]) for key, i in zip(mine.write, mine.chunks)]
+            known = [[self.own[i][0].digest] for i in mine.chunks]
+            layout = plan_layout(items, file_metadata(mine.save_id))
+        written: list[WrittenPiece] = []
+        size = write_data_file(self.storage, name, layout, written, known)
+        return Report(self._file_entry(name, layout, size), written)
+
+    @staticmethod
+    def _layout(flat: FlatState, mine: Assignment) -> DataFileLayout:
+        """Where each piece this rank writes goes in its data file."""
+        return plan_layout([(n, flat.pieces[n].tensor) for n in mine.write], file_metadata(mine.save_id))
+
+    def _file_entry(self, name: str, layout: DataFileLayout, size: int) -> FileEntry:
+        return FileEntry(name, size, rank=self.group.rank, header_size=len(layout.header),
+                         header_checksum=checksum(layout.header))
 
     def _commit(self, intents: list[Intent], reports: list[Report], mine: Assignment) -> Manifest | tuple:
         errors = {r: rep.error for r, rep in enumerate(reports) if rep.error}
@@ -443,13 +469,13 @@ def merge_trees(trees: list[Any], key: str = "", has_local: bool = True) -> Any:
         "differ per rank must be wrapped in safeckpt.RankLocal (they are then saved per rank)")
 
 
-def write_manifest(storage: Storage, manifest: Manifest, what: str = "save") -> None:
-    """The commit: write the manifest, the last file of a save, never over another one
-    (two writers of one folder: exactly one commits each sequence number). On return it
-    is durable."""
+def write_manifest(storage: Storage, manifest: Manifest, what: str = "save", encoded: list | None = None) -> None:
+    """The commit: write the manifest (``encoded``: its bytes already encoded, as parts),
+    the last file of a save, never over another one (two writers of one folder: exactly
+    one commits each sequence number). On return it is durable."""
     name = manifest_name(manifest.seq)
     try:
-        storage.write_file(name, [encode_manifest(manifest)])
+        storage.write_file(name, [encode_manifest(manifest)] if encoded is None else encoded)
     except FileExistsError as exc:
         if name not in storage.listdir():  # listings show regular files only
             raise CheckpointExistsError(

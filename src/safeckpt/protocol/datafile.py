@@ -13,7 +13,7 @@ import json
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generator, Iterator
+from typing import TYPE_CHECKING, Generator, Iterable, Iterator
 
 import torch
 
@@ -78,48 +78,71 @@ def stream(layout: DataFileLayout, written: list[WrittenPiece],
     checksums (or ``known``, checksums computed before). Small pieces are coalesced to
     save system calls; large ones are hashed on a helper thread while they are written
     (both release the GIL)."""
+    return hashed_while_written(_pieces(layout, written, known))
+
+
+def hashed_while_written(parts: Iterable[tuple["memoryview | bytes", WrittenPiece | None]]
+                         ) -> Generator[memoryview | bytes, None, None]:
+    """Yield each part's bytes; a part that comes with a piece is hashed on a helper
+    thread while it is written, its checksums filled into ``piece.checksums`` in place
+    (whoever holds that list, a manifest being built, sees them)."""
     with ThreadPoolExecutor(1, thread_name_prefix="safeckpt-hash") as hasher:
         hashing: list[tuple[WrittenPiece, Future]] = []
-        yield from _pieces(layout, written, hasher, hashing, known)
+        for data, piece in parts:
+            if piece is not None:
+                hashing.append((piece, hasher.submit(block_checksums, data)))
+            yield data
         for piece, future in hashing:
-            piece.checksums = future.result()
+            piece.checksums[:] = future.result()
 
 
 def write_data_file(storage: "Storage", name: str, layout: DataFileLayout, written: list[WrittenPiece],
                     known: list[list[str]] | None = None) -> int:
-    """Write a data file (see ``stream``) and return its size. A failed write leaves the
-    stream suspended: it is closed here, so its hashing thread stops before this returns
-    (left to the garbage collector, it was once closed inside another thread's start)."""
-    parts = stream(layout, written, known)
+    """Write a data file (see ``stream``) and return its size."""
+    return write_parts(storage, name, stream(layout, written, known))
+
+
+def write_parts(storage: "Storage", name: str, parts: Generator[memoryview | bytes, None, None]) -> int:
+    """Write a file from a generator of its bytes and return its size. A failed write
+    leaves the generator suspended: it is closed here, so its hashing thread stops before
+    this returns (left to the garbage collector, it was once closed inside another
+    thread's start)."""
     try:
         return storage.write_file(name, parts)
     finally:
         parts.close()
 
 
-def _pieces(layout: DataFileLayout, written: list[WrittenPiece], hasher: ThreadPoolExecutor,
-            hashing: list[tuple[WrittenPiece, Future]],
-            known: list[list[str]] | None) -> Iterator[memoryview | bytes]:
-    yield layout.header
-    entries = layout.entries
+def runs(entries: list[tuple[str, torch.Tensor, int, int]]) -> Iterator[tuple[int, int, bool]]:
+    """The entries of a layout as ``(first, stop, small)``: runs of consecutive small
+    pieces, gathered into one region of about ``COALESCE_BUFFER`` bytes (one write), and
+    each large piece alone."""
     i = 0
     while i < len(entries):
-        name, t, start, end = entries[i]
-        if end - start < COALESCE_BELOW:
-            j, size = i, 0  # a run of small pieces, gathered into one region
-            while j < len(entries) and entries[j][3] - entries[j][2] < COALESCE_BELOW and size < COALESCE_BUFFER:
-                size += entries[j][3] - entries[j][2]
-                j += 1
-            yield _small_run(entries[i:j], i, size, written, known)
-            i = j
+        if entries[i][3] - entries[i][2] >= COALESCE_BELOW:
+            yield i, i + 1, False
+            i += 1
             continue
-        view = byte_view(to_storable(t, name))
+        j, size = i, 0
+        while j < len(entries) and entries[j][3] - entries[j][2] < COALESCE_BELOW and size < COALESCE_BUFFER:
+            size += entries[j][3] - entries[j][2]
+            j += 1
+        yield i, j, True
+        i = j
+
+
+def _pieces(layout: DataFileLayout, written: list[WrittenPiece],
+            known: list[list[str]] | None) -> Iterator[tuple["memoryview | bytes", WrittenPiece | None]]:
+    yield layout.header, None
+    entries = layout.entries
+    for i, j, small in runs(entries):
+        if small:
+            yield _small_run(entries[i:j], i, entries[j - 1][3] - entries[i][2], written, known), None
+            continue
+        name, t, start, end = entries[i]
         piece = WrittenPiece(name, start, end, known[i] if known is not None else [])
         written.append(piece)
-        if not piece.checksums:
-            hashing.append((piece, hasher.submit(block_checksums, view)))
-        yield view
-        i += 1
+        yield byte_view(to_storable(t, name)), (None if piece.checksums else piece)
 
 
 def _small_run(run: list[tuple[str, torch.Tensor, int, int]], first: int, size: int,

@@ -1,7 +1,9 @@
 """Async saves: snapshot the state into reusable host buffers, then commit in the background.
 
-The caller is blocked only for the copy into host memory (pinned when tensors live on
-a GPU). Afterwards the training may change its tensors freely. At most one save is in
+The caller is blocked for the copy into host memory (pinned when tensors live on a
+GPU) and, for a save by one process, for every other per-tensor step too, so that the
+background thread, which shares the GIL with the training, runs almost no Python
+(``staged``). Afterwards the training may change its tensors freely. At most one save is in
 flight per saver: the next save first waits for the previous commit, so host memory
 for staging is bounded by one copy of the state's tensors, reused from save to save.
 An error is never lost: ``result()`` raises it, and if nobody asked, the next save,
@@ -11,20 +13,19 @@ An error is never lost: ``result()`` raises it, and if nobody asked, the next sa
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import sys
 import threading
 import time
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable
-
-import torch
+from typing import Any, Callable, cast
 
 from ..protocol.checkpoint import CheckpointInfo, SaveRequest, gc_paused, log_save, save_request
 from ..protocol.group import resolve
-from ..protocol.state import FlatState, Piece
+from ..protocol.staged import StagedRun
+from ..protocol.staging import StagingPool
+from ..protocol.state import FlatState
 
 log = logging.getLogger(__name__)
 
@@ -48,80 +49,55 @@ class SaveFuture(Future):
         return super().exception(timeout)
 
 
-class StagingPool:
-    """Host buffers keyed by piece name, reused while shape and dtype stay the same."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[str, torch.Tensor] = {}
-
-    def snapshot(self, flat: FlatState) -> FlatState:
-        """Copy every piece into a buffer; returns a FlatState that owns the copies. A
-        contiguous CPU piece is copied with one ``memmove`` (no torch op per piece, the
-        GIL released), which is what keeps the snapshot of many small tensors near a
-        plain memory copy; other pieces go through ``copy_``."""
-        pieces: dict[str, Piece] = {}
-        buffers = self.buffers
-        cuda = False
-        for name, piece in flat.pieces.items():
-            src = piece.tensor
-            buf = buffers.get(name)
-            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-                buf = buffers[name] = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
-            if src.is_cpu and src.is_contiguous() and not src.is_conj() and not src.is_neg():
-                if buf.nbytes:
-                    ctypes.memmove(buf.data_ptr(), src.data_ptr(), buf.nbytes)
-            else:
-                cuda = cuda or src.is_cuda
-                buf.copy_(src.detach(), non_blocking=src.is_cuda)
-            pieces[name] = Piece(buf, piece.info)
-        if cuda:
-            torch.cuda.synchronize()  # the non-blocking copies must land before we return
-        for name in list(buffers):
-            if name not in pieces:
-                del buffers[name]
-        return FlatState(flat.tree, pieces, flat.aliases, flat.has_local)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
-
-
 class AsyncSaver:
     """Runs saves one at a time on a background thread (see module docstring)."""
 
     def __init__(self) -> None:
         self.pool = StagingPool()
         self.pending: SaveFuture | None = None
+        self._work: Callable[[], CheckpointInfo] | None = None  # the save in flight, freed by ``wait``
         self._lock = threading.Lock()
         _live.add(self)
 
     @gc_paused
     def submit(self, state: dict, request: SaveRequest,
                on_done: Callable[[CheckpointInfo, float], None] | None = None) -> SaveFuture:
-        """Snapshot ``state`` and start committing it; returns once the snapshot is taken."""
+        """Snapshot ``state`` and start committing it; returns once the snapshot is taken.
+        A full save by one process is staged: every per-tensor step runs here, and the
+        background thread only writes, hashes large pieces and commits (``staged``)."""
         started = time.perf_counter()
         self.wait()
-        flattener = request.flattener(state)
-        try:
-            flat = flattener()
-            snap = self.pool.snapshot(flat)
-            snapshot: Callable[[], FlatState] = lambda: snap  # noqa: E731
-        except Exception as exc:
-            if request.group.size == 1:
-                raise
-            snapshot = _raiser(exc)  # the other ranks must learn of it, or they would wait
+        flattener = request.flattener(state)  # one process: flattened now, a bad state raises here
+        work: Callable[[], CheckpointInfo]
+        if request.stageable:
+            try:
+                run = cast(StagedRun, request.start(StagedRun))
+                run.stage(flattener, self.pool)
+                work = lambda: request.info(run.finish_staged(), started)  # noqa: E731
+            except Exception as exc:  # a refused save (exists, bad metadata) fails its future
+                work = _raiser(exc)
+        else:
+            try:
+                flat = flattener()
+                snap = self.pool.snapshot(flat)
+                snapshot: Callable[[], FlatState] = lambda: snap  # noqa: E731
+            except Exception as exc:
+                if request.group.size == 1:
+                    raise
+                snapshot = _raiser(exc)  # the other ranks must learn of it, or they would wait
+            work = lambda: request.run(snapshot, started)  # noqa: E731
         future = SaveFuture(time.perf_counter() - started)
-        thread = threading.Thread(target=self._run, args=(future, request, snapshot, started, on_done),
+        thread = threading.Thread(target=self._run, args=(future, work, on_done),
                                   name="safeckpt-async-save")  # not a daemon: exit waits for it
         with self._lock:
-            self.pending = future
+            self.pending, self._work = future, work
         thread.start()
         return future
 
-    def _run(self, future: SaveFuture, request: SaveRequest, snapshot: Callable[[], FlatState],
-             started: float, on_done: Callable[[CheckpointInfo, float], None] | None) -> None:
+    def _run(self, future: SaveFuture, work: Callable[[], CheckpointInfo],
+             on_done: Callable[[CheckpointInfo, float], None] | None) -> None:
         try:
-            info = request.run(snapshot, started)
+            info = work()
             if on_done is not None:
                 on_done(info, future.blocked_seconds)
             else:
@@ -132,7 +108,10 @@ class AsyncSaver:
         future.set_result(info)
 
     def wait(self) -> CheckpointInfo | None:
-        """Wait for the save in flight; raise its error unless someone already saw it."""
+        """Wait for the save in flight; raise its error unless someone already saw it.
+        The finished save's objects (a staged save holds a few per tensor) are freed
+        here, on the caller's thread: freeing them is Python work too, which the
+        background thread would do holding the GIL."""
         with self._lock:
             future = self.pending
         if future is None:
@@ -140,6 +119,9 @@ class AsyncSaver:
         seen = future.observed
         exc = Future.exception(future)  # waits without marking the error as seen
         future.observed = True
+        with self._lock:
+            if self.pending is future:
+                self._work = None
         if exc is None:
             return Future.result(future)
         if not seen:
@@ -155,8 +137,8 @@ class AsyncSaver:
             _live.discard(self)
 
 
-def _raiser(exc: BaseException) -> Callable[[], FlatState]:
-    def fail() -> FlatState:
+def _raiser(exc: BaseException) -> Callable[[], Any]:
+    def fail() -> Any:
         raise exc
     return fail
 

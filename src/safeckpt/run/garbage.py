@@ -18,13 +18,12 @@ collection running meanwhile sees one or the other.
 from __future__ import annotations
 
 import time
-from ..errors import SkippedCheckpointWarning, warn
-from ..format.folder import read_committed
-from ..protocol.commit import DATA_RE
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
-from ..format.manifest import STEP_RE, Manifest, decode_manifest, manifest_seq
-from ..format.folder import shared_by_siblings, shared_files
-from ..format.names import RETIRED  # noqa: F401
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, SkippedCheckpointWarning, UnsupportedFormatError, warn
+from ..format import manifestcache
+from ..format.folder import read_committed, shared_by_siblings, shared_files
+from ..format.manifest import Manifest
+from ..format.names import DATA_RE, RETIRED, STEP_RE, manifest_seq
 from ..storage import Storage
 
 
@@ -131,7 +130,7 @@ def _well_formed(folder: Storage, listing: dict[str, int | None]) -> dict[str, M
     for name in listing:
         if manifest_seq(name) is not None:
             try:
-                out[name] = decode_manifest(folder.read(name), f"{folder.url}/{name}")
+                out[name] = manifestcache.decode(folder.read(name), f"{folder.url}/{name}")
             except (CorruptCheckpointError, OSError):
                 continue
     return out

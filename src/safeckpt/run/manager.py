@@ -27,7 +27,7 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageErr
 from ..protocol.group import SingleGroup, TorchGroup, resolve
 from .lease import WriterLease
 from ..format.manifest import Manifest
-from ..format.names import step_folder
+from ..format.names import RETIRED, step_folder
 from .nodes import NodeLayout, NodeTier
 from .retention import Retention
 from ..storage import Storage
@@ -306,7 +306,7 @@ class CheckpointManager:
         shared = garbage.shared_files({s: m for s, m in committed.items() if s != step}).get(name, set())
         if shared:
             try:  # before the manifest goes: a crash leaves a marked folder, never an unknown one
-                folder.write_file(garbage.RETIRED, [b"retired by safeckpt; holds data later checkpoints share\n"])
+                folder.write_file(RETIRED, [b"retired by safeckpt; holds data later checkpoints share\n"])
             except FileExistsError:
                 pass
         retire(folder, keep=None, spare=shared)

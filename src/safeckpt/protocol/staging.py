@@ -1,0 +1,154 @@
+"""Host buffers that an async save copies the state into, reused from save to save.
+
+Two ways to fill them: ``snapshot`` copies every piece into a buffer of its own (a
+save whose layout is decided later, by the ranks together), and ``stage`` copies the
+pieces into buffers arranged as the data file they will become (small pieces packed
+into regions of a few MiB, one write each; large pieces in a buffer each), and
+checksums the small ones while they are in cache. Either way host memory is one copy
+of the state's tensors; buffers a save no longer needs are dropped. Buffers are
+pinned where a piece lives on a GPU, so its copy is a DMA the host does not wait for
+piece by piece: one synchronization per save.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from ..format.checksum import slice_checksums
+from .datafile import DataFileLayout, WrittenPiece, runs
+from .state import FlatState, Piece
+from ..format.tensors import byte_view
+
+Part = Union[bytes, memoryview]
+
+
+@dataclass
+class StagedFile:
+    """A data file in host memory: its parts in file order, each with the piece still
+    to hash while it is written (large pieces) or ``None``, and every piece's record."""
+
+    parts: list[tuple[Part, WrittenPiece | None]]
+    written: list[WrittenPiece]
+
+
+def _plain(src: torch.Tensor) -> bool:
+    """A CPU tensor whose bytes are its values, in order: copied with one ``memmove``
+    (no torch op, the GIL released)."""
+    return src.is_cpu and src.is_contiguous() and not src.is_conj() and not src.is_neg()
+
+
+def _bytes_of(src: torch.Tensor) -> torch.Tensor:
+    """The values of a tensor as a flat ``uint8`` tensor on its device."""
+    return src.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _synchronize(devices: "set[torch.device]") -> None:
+    """Wait for the asynchronous copies from these GPUs (each device has its own queue)."""
+    for device in devices:
+        torch.cuda.synchronize(device)
+
+
+def _checksum_region(buf: torch.Tensor, pieces: list[WrittenPiece]) -> None:
+    """The checksums of the small pieces packed in one region buffer."""
+    base = pieces[0].start
+    for w, sums in zip(pieces, slice_checksums(byte_view(buf), [(w.start - base, w.end - base) for w in pieces])):
+        w.checksums = sums
+
+
+class StagingPool:
+    """Host buffers keyed by piece name (or region), reused while shape and dtype stay."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def _buffer(self, key: str, shape: "torch.Size | tuple[int, ...]", dtype: torch.dtype,
+                pinned: bool) -> torch.Tensor:
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != shape or buf.dtype != dtype or (pinned and not buf.is_pinned()):
+            buf = self.buffers[key] = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+        return buf
+
+    def _keep_only(self, keys: "set[str] | dict") -> None:
+        for key in [k for k in self.buffers if k not in keys]:
+            del self.buffers[key]
+
+    @staticmethod
+    def _copy(buf: torch.Tensor, src: torch.Tensor, pending: set) -> None:
+        """Copy ``src`` into a buffer of its shape and dtype; a copy from a GPU is
+        asynchronous, and its device is added to ``pending`` (synchronized once)."""
+        if _plain(src):
+            if buf.nbytes:
+                ctypes.memmove(buf.data_ptr(), src.data_ptr(), buf.nbytes)
+            return
+        buf.copy_(src.detach(), non_blocking=src.is_cuda)
+        if src.is_cuda:
+            pending.add(src.device)
+
+    def snapshot(self, flat: FlatState) -> FlatState:
+        """Copy every piece into a buffer of its own; returns a FlatState that owns the
+        copies."""
+        pieces: dict[str, Piece] = {}
+        pending: set[torch.device] = set()
+        for name, piece in flat.pieces.items():
+            src = piece.tensor
+            buf = self._buffer(name, src.shape, src.dtype, src.is_cuda)
+            self._copy(buf, src, pending)
+            pieces[name] = Piece(buf, piece.info)
+        _synchronize(pending)  # the non-blocking copies must land before we return
+        self._keep_only(pieces)
+        return FlatState(flat.tree, pieces, flat.aliases, flat.has_local)
+
+    def stage(self, layout: DataFileLayout) -> StagedFile:
+        """Copy the pieces of ``layout`` (the source tensors) into buffers arranged as
+        its data file. Small pieces are checksummed here; a large piece's
+        ``WrittenPiece`` has no checksums yet (they are computed while it is written)."""
+        entries = layout.entries
+        parts: list[tuple[Part, WrittenPiece | None]] = [(layout.header, None)]
+        written: list[WrittenPiece] = []
+        regions: list[tuple[int, int, torch.Tensor]] = []  # (first, stop, buffer) of regions copied from a GPU
+        keys: set[str] = set()
+        pending: set[torch.device] = set()
+        for i, j, small in runs(entries):
+            if not small:
+                name, src, start, end = entries[i]
+                key = "piece:" + name
+                buf = self._buffer(key, src.shape, src.dtype, src.is_cuda)
+                self._copy(buf, src, pending)
+                piece = WrittenPiece(name, start, end)
+                written.append(piece)
+                parts.append((byte_view(buf), piece))
+            else:
+                base = entries[i][2]
+                pinned = any(e[1].is_cuda for e in entries[i:j])
+                key = f"region:{len(regions)}"
+                buf = self._buffer(key, (entries[j - 1][3] - base,), torch.uint8, pinned)
+                address = buf.data_ptr()
+                for _, src, start, end in entries[i:j]:
+                    if end == start:
+                        continue
+                    if _plain(src):
+                        ctypes.memmove(address + start - base, src.data_ptr(), end - start)
+                    else:
+                        buf[start - base:end - base].copy_(_bytes_of(src), non_blocking=src.is_cuda)
+                        if src.is_cuda:
+                            pending.add(src.device)
+                parts.append((byte_view(buf), None))
+                written.extend(WrittenPiece(name, start, end) for name, _, start, end in entries[i:j])
+                if pinned:
+                    regions.append((i, j, buf))  # hashed once the copies from the GPU have landed
+                else:
+                    _checksum_region(buf, written[i:j])  # just copied: still in cache
+            keys.add(key)
+        _synchronize(pending)  # the copies land before we return
+        for i, j, buf in regions:
+            _checksum_region(buf, written[i:j])
+        self._keep_only(keys)
+        return StagedFile(parts, written)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())

@@ -17,7 +17,7 @@ import torch
 import safeckpt
 from safeckpt.run import asyncsave
 from safeckpt.format.checksum import BLOCK_SIZE, checksum
-from safeckpt.protocol.checkpoint import read_committed
+from safeckpt.format.folder import read_committed
 from safeckpt.protocol.datafile import COALESCE_BELOW, WrittenPiece
 from safeckpt.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, decode_manifest
 from safeckpt.protocol.staged import Placeholders

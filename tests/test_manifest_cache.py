@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt import manifestcache
+from safeckpt.format import manifestcache
 from safeckpt.format.manifest import decode_manifest, encode_manifest
 
 

@@ -405,7 +405,7 @@ def files_read(reads: list) -> set[str]:
     out: set[str] = set()
     for r in reads:
         box = r.box or ((0,) * len(r.entry.shape), tuple(r.entry.shape))
-        out |= {c.file for c in r.entry.chunks if overlap(box, (tuple(c.offsets), tuple(c.shape))) is not None}
+        out |= {c.file for c in r.entry.meeting(box) if overlap(box, (tuple(c.offsets), tuple(c.shape))) is not None}
     return out
 
 

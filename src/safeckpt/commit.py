@@ -27,7 +27,8 @@ from .incremental import ChunkDigest, Source, Stored, chunk_key, digest_pieces, 
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError,
                      UnsupportedFormatError)
 from .group import SingleGroup, TorchGroup
-from .manifest import (Chunk, FileEntry, Manifest, TensorEntry, encode_manifest, is_shared, manifest_name,
+from .compact import TableBuilder
+from .manifest import (WRITE_VERSION, Chunk, FileEntry, Manifest, encode_manifest, is_shared, manifest_name,
                        manifest_seq)
 from .plan import PieceInfo, PlanError, assign_writes, check_coverage
 from .state import FlatState
@@ -244,34 +245,36 @@ class SaveRun:
         return (abort_summary(self.storage.url, errors), errors, False)
 
     def _build_manifest(self, intents: list[Intent], reports: list[Report], mine: Assignment) -> Manifest:
-        tensors: dict[str, TensorEntry] = {}
+        """The manifest (format 3): its tensor table filled straight from the reports."""
+        table = TableBuilder()
         files = {rep.file.name: rep.file for rep in reports if rep.file is not None}
         incremental = self.chunk_size is not None
         if incremental:
-            self._add_chunks(intents, reports, files, tensors)
+            self._add_chunks(intents, reports, files, table)
         else:
-            self._add_pieces(intents, reports, tensors)
+            self._add_pieces(intents, reports, table)
         for intent in intents:
             for alias, first in intent.aliases.items():
-                tensors[alias] = dataclasses.replace(tensors[first], tied_to=first) if incremental else tensors[first]
+                table.alias(alias, first)
+        block = cast(int, self.chunk_size) if incremental else BLOCK_SIZE
         return Manifest(save_id=mine.save_id, seq=mine.seq, created=time.time(),
-                        world_size=len(intents), files=files, tensors=tensors, tree=self.tree,
-                        step=self.step, metadata=self.metadata, metrics=self.metrics, run_id=self.run_id,
-                        block_size=cast(int, self.chunk_size) if incremental else BLOCK_SIZE, version=2 if incremental else 1)
+                        world_size=len(intents), files=files, tensors=table.build(list(files), block),
+                        tree=self.tree, step=self.step, metadata=self.metadata, metrics=self.metrics,
+                        run_id=self.run_id, block_size=block, version=WRITE_VERSION)
 
     @staticmethod
-    def _add_pieces(intents: list[Intent], reports: list[Report], tensors: dict[str, TensorEntry]) -> None:
+    def _add_pieces(intents: list[Intent], reports: list[Report], table: TableBuilder) -> None:
         """Every piece a rank wrote is one chunk."""
         for intent, rep in zip(intents, reports):
             infos = {p.name: p for p in intent.pieces}  # this rank's boxes
-            for w in rep.written:  # written pieces imply a file
+            file = rep.file.name if rep.file is not None else ""  # written pieces imply a file
+            for w in rep.written:
                 info = infos[w.name]
-                entry = tensors.setdefault(w.name, TensorEntry(info.dtype, list(info.global_shape)))
-                entry.chunks.append(Chunk(cast(FileEntry, rep.file).name, w.start, w.end, w.checksums,
-                                          list(info.offsets), list(info.shape)))
+                table.chunk(table.tensor(w.name, info.dtype, info.global_shape), file, w.start, w.end,
+                            w.checksums, info.offsets, info.shape)
 
     def _add_chunks(self, intents: list[Intent], reports: list[Report], files: dict[str, FileEntry],
-                    tensors: dict[str, TensorEntry]) -> None:
+                    table: TableBuilder) -> None:
         """Incremental saves: every chunk, written now or found in an earlier checkpoint."""
         written: dict[tuple[int, int], Chunk] = {}
         for rank, rep in enumerate(reports):
@@ -289,8 +292,8 @@ class SaveRun:
                     else:
                         held = written[source]
                 info = infos[d.name]
-                entry = tensors.setdefault(d.name, TensorEntry(info.dtype, list(info.global_shape)))
-                entry.chunks.append(dataclasses.replace(held, offsets=list(d.offsets), shape=list(d.shape)))
+                table.chunk(table.tensor(d.name, info.dtype, info.global_shape), held.file, held.start, held.end,
+                            held.checksums, d.offsets, d.shape)
 
     def _check_shared(self, manifest: Manifest) -> None:
         """Files shared with earlier checkpoints must still be there as they were listed."""

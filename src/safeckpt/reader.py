@@ -80,7 +80,7 @@ class TensorReader:
             dest = read.dest if read.dest is not None else read.result
             assert dest is not None  # a fresh tensor was made just above
             box = read.box or ((0,) * dest.dim(), tuple(dest.shape))
-            self._plan_read(read.name, entry.chunks, dest, box, dtype, jobs, copies)
+            self._plan_read(read.name, entry.meeting(box), dest, box, dtype, jobs, copies)
         if self.verify:
             self.check_headers({j.chunk.file for j in jobs})
         self._execute(jobs)
@@ -90,6 +90,8 @@ class TensorReader:
 
     def _plan_read(self, name: str, chunks: list[Chunk], dest: torch.Tensor, box: Box,
                    dtype: torch.dtype, jobs: list[_Job], copies: list) -> None:
+        """Jobs (and copies) that fill ``box`` of the tensor from ``chunks``: those that
+        meet the box (``meeting``), or all of them."""
         if (len(chunks) == 1 and dest.is_cpu and dest.dtype == dtype and dest.is_contiguous()
                 and tuple(chunks[0].shape) == box[1] == tuple(dest.shape) and not any(box[0])):
             chunk = chunks[0]  # the common case: one whole chunk straight into its tensor

@@ -1,0 +1,487 @@
+"""Format 3's tensor tables: every tensor and chunk of a manifest as columns of integers.
+
+A manifest of a job with millions of pieces must stay small and quick to read: in format
+3 the ``tensors`` field holds the names once, a dtype and a checksum-algorithm table,
+and the rest as columns of little-endian int64 (deflated, base64 in the JSON) plus the
+raw block digests. Decoding checks every rule of docs/format.md §6.2 over numpy arrays
+(never one Python object per piece); ``TensorTable`` then hands out cheap per-tensor
+views (``TableEntry``) that build ``Chunk`` objects only for the chunks a caller asks
+for, so a rank plans its load from the chunks that meet its box.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import zlib
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import CorruptCheckpointError
+from .plan import Box, PlanError, check_coverage
+from .tensors import MAX_DIMS, dtype_from_name
+
+if TYPE_CHECKING:
+    from .manifest import Chunk, TensorEntry
+
+ALGORITHM_WIDTH = {"xxh3_64": 8, "xxh3_128": 16}  # digest bytes per block checksum
+TENSOR_COLUMNS = ("dtype", "ndim", "chunks", "tied")  # one value per tensor
+CHUNK_COLUMNS = ("file", "start", "length", "algorithm")  # one value per chunk
+_LIMIT = 1 << 62  # no count, offset or size of a valid manifest comes near it
+
+
+def pack(values: np.ndarray | list[int]) -> str:
+    """A column as stored: little-endian int64, deflated, base64."""
+    raw = np.asarray(values, dtype="<i8").tobytes()
+    return base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
+
+
+def unpack(text: Any, count: int, where: str, what: str) -> np.ndarray:
+    """Inverse of ``pack``, for a column that must hold exactly ``count`` values; it never
+    inflates more than that (a crafted column cannot blow up memory)."""
+    try:
+        if not isinstance(text, str):
+            raise ValueError("not a string")
+        inflater = zlib.decompressobj()
+        raw = inflater.decompress(base64.b64decode(text, validate=True), count * 8 + 1)
+        complete = inflater.eof and not inflater.unconsumed_tail
+    except (ValueError, binascii.Error, zlib.error) as exc:
+        raise CorruptCheckpointError(f"{where}: tensor table column {what!r} is garbled ({exc})") from exc
+    if len(raw) != count * 8 or not complete:
+        raise CorruptCheckpointError(
+            f"{where}: tensor table column {what!r} holds {len(raw) // 8}{'+' if not complete else ''} values, "
+            f"not {count} (truncated or altered)")
+    return np.frombuffer(raw, dtype="<i8").astype(np.int64, copy=False)
+
+
+def _need(cond: Any, where: str, what: str) -> None:
+    if not cond:
+        raise CorruptCheckpointError(f"{where}: tensor table: {what}")
+
+
+def _total(a: np.ndarray, where: str, what: str) -> int:
+    """The sum of a column of counts, each in [0, 2^62) (a crafted one cannot overflow it)."""
+    _need(a.size == 0 or (a.min() >= 0 and a.max() < _LIMIT), where, f"bad {what}")
+    total = float(a.sum(dtype=np.float64))
+    _need(total < _LIMIT, where, f"bad {what}")
+    return int(a.sum())
+
+
+def _segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated ranges ``[starts[i], starts[i] + lengths[i])``, vectorized."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    base = np.repeat(starts - (ends - lengths), lengths)
+    return base + np.arange(total, dtype=np.int64)
+
+
+class TableBuilder:
+    """Collects tensors and their chunks (in any order) into a ``TensorTable``: what a
+    writer fills from its plan, with no per-tensor dataclass."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.index: dict[str, int] = {}
+        self.dtypes: list[str] = []
+        self.t_dtype: list[int] = []
+        self.t_shape: list[list[int] | tuple[int, ...]] = []
+        self.t_tied: list[str | None] = []
+        self.c_tensor: list[int] = []
+        self.c_file: list[str] = []
+        self.c_start: list[int] = []
+        self.c_end: list[int] = []
+        self.c_sums: list[list[str]] = []
+        self.c_offsets: list[Any] = []
+        self.c_shape: list[Any] = []
+
+    def tensor(self, name: str, dtype: str, shape: list[int] | tuple[int, ...], tied_to: str | None = None) -> int:
+        """The index of tensor ``name``, added on first sight."""
+        i = self.index.get(name)
+        if i is None:
+            i = self.index[name] = len(self.names)
+            self.names.append(name)
+            if dtype not in self.dtypes:
+                self.dtypes.append(dtype)
+            self.t_dtype.append(self.dtypes.index(dtype))
+            self.t_shape.append(shape)
+            self.t_tied.append(tied_to)
+        return i
+
+    def chunk(self, tensor: int, file: str, start: int, end: int, checksums: list[str],
+              offsets: Any, shape: Any) -> None:
+        self.c_tensor.append(tensor)
+        self.c_file.append(file)
+        self.c_start.append(start)
+        self.c_end.append(end)
+        self.c_sums.append(checksums)
+        self.c_offsets.append(offsets)
+        self.c_shape.append(shape)
+
+    def alias(self, name: str, first: str) -> None:
+        """``name`` is tied to ``first`` (the same tensor): its own entry, the same chunks."""
+        src = self.index[first]
+        i = self.tensor(name, self.dtypes[self.t_dtype[src]], self.t_shape[src], first)
+        for j in [j for j, t in enumerate(self.c_tensor) if t == src]:
+            self.chunk(i, self.c_file[j], self.c_start[j], self.c_end[j], self.c_sums[j], self.c_offsets[j],
+                       self.c_shape[j])
+
+    def build(self, file_names: list[str], block_size: int) -> "TensorTable":
+        """The table, its chunks naming files by their position in ``file_names`` (the
+        manifest's ``files``)."""
+        file_index = {n: i for i, n in enumerate(file_names)}
+        order = np.argsort(np.asarray(self.c_tensor, dtype=np.int64), kind="stable")
+        counts = np.bincount(np.asarray(self.c_tensor, dtype=np.int64), minlength=len(self.names))
+        algorithms: list[str] = []
+        c_alg, hexes = [], []
+        for i in order.tolist():
+            sums = self.c_sums[i]
+            alg = sums[0].partition(":")[0]
+            if alg not in algorithms:
+                algorithms.append(alg)
+            c_alg.append(algorithms.index(alg))
+            for s in sums:
+                a, _, digits = s.partition(":")
+                if a != alg:
+                    raise ValueError(f"chunk of {self.names[self.c_tensor[i]]!r} mixes checksum algorithms")
+                hexes.append(digits)
+        starts = np.asarray(self.c_start, dtype=np.int64)[order]
+        ndim = np.asarray([len(s) for s in self.t_shape], dtype=np.int64)
+        offsets = [d for i in order.tolist() for d in self.c_offsets[i]]
+        boxes = [d for i in order.tolist() for d in self.c_shape[i]]
+        tied = [-1 if t is None else self.index[t] for t in self.t_tied]
+        return TensorTable(
+            self.names, self.dtypes, algorithms, list(file_names), block_size,
+            t_dtype=np.asarray(self.t_dtype, dtype=np.int64), t_ndim=ndim, t_chunks=counts.astype(np.int64),
+            t_tied=np.asarray(tied, dtype=np.int64),
+            shape=np.asarray([d for s in self.t_shape for d in s], dtype=np.int64),
+            c_file=np.asarray([file_index[f] for f in self.c_file], dtype=np.int64)[order], c_start=starts,
+            c_length=np.asarray(self.c_end, dtype=np.int64)[order] - starts,
+            c_alg=np.asarray(c_alg, dtype=np.int64), offsets=np.asarray(offsets, dtype=np.int64),
+            box=np.asarray(boxes, dtype=np.int64), digests=bytes.fromhex("".join(hexes)))
+
+
+def from_entries(tensors: Mapping[str, "TensorEntry"], file_names: list[str], block_size: int) -> "TensorTable":
+    """The table of a manifest built as per-tensor entries (seal, DCP, export, tests), or
+    a decoded table whose manifest's file list changed (a seal adds files)."""
+    if isinstance(tensors, TensorTable):
+        return tensors.with_files(file_names)
+    builder = TableBuilder()
+    for name, t in tensors.items():
+        i = builder.tensor(name, t.dtype, t.shape, t.tied_to)
+        for c in t.chunks:
+            builder.chunk(i, c.file, c.start, c.end, c.checksums, c.offsets, c.shape)
+    return builder.build(file_names, block_size)
+
+
+class TensorTable(Mapping[str, "TableEntry"]):
+    """The decoded tensor table: name -> ``TableEntry``, backed by numpy columns.
+
+    Tensor ``i``'s shape is ``shape[shape_at[i]:shape_at[i+1]]``; its chunks are rows
+    ``first[i]:first[i+1]``; chunk ``j``'s box is ``offsets``/``box`` at
+    ``[dim_at[j], dim_at[j+1])`` and its digests are ``digests[digest_at[j]:digest_at[j+1]]``."""
+
+    def __init__(self, names: list[str], dtypes: list[str], algorithms: list[str], file_names: list[str],
+                 block_size: int, *, t_dtype: np.ndarray, t_ndim: np.ndarray, t_chunks: np.ndarray,
+                 t_tied: np.ndarray, shape: np.ndarray, c_file: np.ndarray, c_start: np.ndarray,
+                 c_length: np.ndarray, c_alg: np.ndarray, offsets: np.ndarray, box: np.ndarray,
+                 digests: bytes) -> None:
+        self.names, self.dtypes, self.algorithms = names, dtypes, algorithms
+        self.file_names, self.block_size = file_names, block_size
+        self.t_dtype, self.t_ndim, self.t_chunks, self.t_tied = t_dtype, t_ndim, t_chunks, t_tied
+        self.shape, self.c_file, self.c_start, self.c_length, self.c_alg = shape, c_file, c_start, c_length, c_alg
+        self.offsets, self.box, self.digests = offsets, box, digests
+        self.index = {n: i for i, n in enumerate(names)}
+        self.first = np.concatenate(([0], np.cumsum(t_chunks))).astype(np.int64)
+        self.shape_at = np.concatenate(([0], np.cumsum(t_ndim))).astype(np.int64)
+        self.c_tensor = np.repeat(np.arange(len(names), dtype=np.int64), t_chunks)
+        self.c_ndim = t_ndim[self.c_tensor]
+        self.dim_at = np.concatenate(([0], np.cumsum(self.c_ndim))).astype(np.int64)
+        self.c_sums = np.maximum(1, -(-c_length // block_size))
+        width = np.asarray([ALGORITHM_WIDTH.get(a, 0) for a in algorithms] or [0], dtype=np.int64)
+        self.digest_at = np.concatenate(([0], np.cumsum(self.c_sums * width[c_alg]))).astype(np.int64)
+        # per-tensor values as Python lists: a lookup per loaded tensor must not go through numpy
+        self._first, self._dtype = self.first.tolist(), t_dtype.tolist()
+        self._shape_at, self._shape, self._tied = self.shape_at.tolist(), shape.tolist(), t_tied.tolist()
+
+    # -- Mapping ---------------------------------------------------------------------
+    def __getitem__(self, name: str) -> "TableEntry":
+        return TableEntry(self, self.index[name])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    # -- per-tensor views ------------------------------------------------------------
+    def chunk(self, j: int) -> "Chunk":
+        """Chunk row ``j`` as a ``Chunk`` (built on demand)."""
+        a, b = int(self.dim_at[j]), int(self.dim_at[j + 1])
+        alg = self.algorithms[int(self.c_alg[j])]
+        width = ALGORITHM_WIDTH[alg]
+        lo = int(self.digest_at[j])
+        sums = [f"{alg}:{self.digests[p:p + width].hex()}" for p in range(lo, int(self.digest_at[j + 1]), width)]
+        start = int(self.c_start[j])
+        from .manifest import Chunk  # here: manifest.py imports this module
+        return Chunk(self.file_names[int(self.c_file[j])], start, start + int(self.c_length[j]), sums,
+                     self.offsets[a:b].tolist(), self.box[a:b].tolist())
+
+    def meeting(self, i: int, box: Box) -> list["Chunk"]:
+        """The chunks of tensor ``i`` whose boxes meet ``box`` (all of them for a tensor of
+        one chunk: the caller's planning checks that one)."""
+        lo, hi = self._first[i], self._first[i + 1]
+        if hi - lo <= 1:
+            return [self.chunk(j) for j in range(lo, hi)]
+        n = self._shape_at[i + 1] - self._shape_at[i]
+        rows = slice(int(self.dim_at[lo]), int(self.dim_at[hi]))
+        off = self.offsets[rows].reshape(hi - lo, n)
+        ext = self.box[rows].reshape(hi - lo, n)
+        want_lo, want_hi = np.asarray(box[0], dtype=np.int64), np.asarray(box[0], dtype=np.int64) + box[1]
+        meets = np.all((np.maximum(off, want_lo) < np.minimum(off + ext, want_hi)), axis=1) if n else \
+            np.ones(hi - lo, dtype=bool)
+        return [self.chunk(lo + int(k)) for k in np.flatnonzero(meets)]
+
+    def entries(self) -> dict[str, "TensorEntry"]:
+        """Every tensor as a (mutable) ``TensorEntry``: for tools that edit a manifest."""
+        from .manifest import TensorEntry
+        return {n: TensorEntry(e.dtype, list(e.shape), e.chunks, e.tied_to)
+                for n, e in ((n, TableEntry(self, i)) for i, n in enumerate(self.names))}
+
+    def with_files(self, file_names: list[str]) -> "TensorTable":
+        """The same table for a manifest whose files are ``file_names`` (a superset)."""
+        if file_names == self.file_names:
+            return self
+        where = {n: i for i, n in enumerate(file_names)}
+        remap = np.asarray([where[n] for n in self.file_names] or [0], dtype=np.int64)
+        return TensorTable(self.names, self.dtypes, self.algorithms, list(file_names), self.block_size,
+                           t_dtype=self.t_dtype, t_ndim=self.t_ndim, t_chunks=self.t_chunks, t_tied=self.t_tied,
+                           shape=self.shape, c_file=remap[self.c_file], c_start=self.c_start,
+                           c_length=self.c_length, c_alg=self.c_alg, offsets=self.offsets, box=self.box,
+                           digests=self.digests)
+
+    # -- storage form ----------------------------------------------------------------
+    def encode(self) -> dict[str, Any]:
+        columns = {"dtype": self.t_dtype, "ndim": self.t_ndim, "chunks": self.t_chunks, "tied": self.t_tied,
+                   "shape": self.shape, "file": self.c_file, "start": self.c_start, "length": self.c_length,
+                   "algorithm": self.c_alg, "offsets": self.offsets, "box": self.box}
+        return {"names": self.names, "dtypes": self.dtypes, "algorithms": self.algorithms,
+                "columns": {k: pack(v) for k, v in columns.items()},
+                "digests": base64.b64encode(self.digests).decode("ascii")}
+
+
+class TableEntry:
+    """One tensor of a ``TensorTable``, with the fields of ``TensorEntry`` (read-only)."""
+
+    __slots__ = ("table", "i")
+
+    def __init__(self, table: TensorTable, i: int) -> None:
+        self.table, self.i = table, i
+
+    @property
+    def dtype(self) -> str:
+        return self.table.dtypes[self.table._dtype[self.i]]
+
+    @property
+    def shape(self) -> list[int]:
+        t = self.table
+        return t._shape[t._shape_at[self.i]:t._shape_at[self.i + 1]]
+
+    @property
+    def tied_to(self) -> str | None:
+        tied = self.table._tied[self.i]
+        return None if tied < 0 else self.table.names[tied]
+
+    @property
+    def chunks(self) -> list["Chunk"]:
+        t = self.table
+        return [t.chunk(j) for j in range(t._first[self.i], t._first[self.i + 1])]
+
+    def meeting(self, box: Box) -> list["Chunk"]:
+        return self.table.meeting(self.i, box)
+
+    def __eq__(self, other: object) -> bool:
+        return all(getattr(self, f) == getattr(other, f, None) for f in ("dtype", "shape", "chunks", "tied_to"))
+
+    def __repr__(self) -> str:
+        return f"TableEntry({self.table.names[self.i]!r}, {self.dtype}, {self.shape}, {self.table.t_chunks[self.i]} chunk(s))"
+
+
+def decode_table(raw: Any, files: Mapping[str, Any], block_size: int, where: str) -> TensorTable:
+    """Check a stored table against every rule of §6.2 (vectorized) and return it; any
+    violation is a ``CorruptCheckpointError`` naming ``where``."""
+    _need(isinstance(raw, dict) and isinstance(raw.get("columns"), dict), where, "not an object with columns")
+    names, dtypes, algorithms, cols = raw["names"], raw["dtypes"], raw["algorithms"], raw["columns"]
+    _need(isinstance(names, list) and all(type(n) is str for n in names), where, "names are not strings")
+    _need(len(set(names)) == len(names), where, "a tensor name is listed twice")
+    _need(isinstance(dtypes, list) and isinstance(algorithms, list), where, "bad dtype or algorithm list")
+    itemsizes = np.asarray([dtype_from_name(d, f"{where}: tensor table").itemsize for d in dtypes] or [1],
+                           dtype=np.int64)
+    _need(all(a in ALGORITHM_WIDTH for a in algorithms), where, f"unknown checksum algorithm in {algorithms!r}")
+    n = len(names)
+    t = {c: unpack(cols.get(c), n, where, c) for c in TENSOR_COLUMNS}
+    t_dtype, ndim, nchunks, tied = t["dtype"], t["ndim"], t["chunks"], t["tied"]
+    _need(n == 0 or (t_dtype.min() >= 0 and t_dtype.max() < len(dtypes)), where, "dtype index out of range")
+    _need(n == 0 or (ndim.min() >= 0 and ndim.max() <= MAX_DIMS), where, f"a tensor has more than {MAX_DIMS} dimensions")
+    _need(n == 0 or (tied.min() >= -1 and tied.max() < n and not np.any(tied == np.arange(n))), where,
+          "a tensor is tied to an unknown tensor or to itself")
+    shape = unpack(cols.get("shape"), _total(ndim, where, "ndim"), where, "shape")
+    n_chunks = _total(nchunks, where, "chunk counts")
+    _need(shape.size == 0 or shape.min() >= 0, where, "negative dimension")
+    c = {k: unpack(cols.get(k), n_chunks, where, k) for k in CHUNK_COLUMNS}
+    c_file, c_start, c_length, c_alg = c["file"], c["start"], c["length"], c["algorithm"]
+    c_tensor = np.repeat(np.arange(n, dtype=np.int64), nchunks)
+    n_dims = _total(ndim[c_tensor], where, "chunk dimensions")
+    offsets = unpack(cols.get("offsets"), n_dims, where, "offsets")
+    box = unpack(cols.get("box"), n_dims, where, "box")
+    sizes = np.asarray([f.size for f in files.values()] or [0], dtype=np.int64)
+    if n_chunks:
+        _chunk_rule(c_tensor, names, (c_file < 0) | (c_file >= len(files)), where, "names a file not in the list")
+        _chunk_rule(c_tensor, names, (c_alg < 0) | (c_alg >= len(algorithms)), where, "unknown checksum algorithm")
+        _chunk_rule(c_tensor, names, (c_start < 0) | (c_length < 0), where, "negative byte offset or length")
+        size = sizes[c_file]
+        _chunk_rule(c_tensor, names, (c_start > size) | (c_length > size - c_start), where,
+                    "its byte range does not fit its file")
+    volumes = _check_boxes(names, shape, ndim, itemsizes[t_dtype], nchunks, c_tensor, c_length, offsets, box, where)
+    digest = raw["digests"]
+    try:
+        digests = base64.b64decode(digest, validate=True) if isinstance(digest, str) else None
+    except (ValueError, binascii.Error):
+        digests = None
+    width = np.asarray([ALGORITHM_WIDTH[a] for a in algorithms] or [0], dtype=np.int64)
+    sums = np.maximum(1, -(-c_length // block_size))
+    _need(digests is not None and len(digests) == int((sums * width[c_alg]).sum()), where,
+          "the block digests do not match the chunks (truncated or altered)")
+    _check_coverage(names, shape, ndim, nchunks, volumes, offsets, box, where)
+    return TensorTable(names, dtypes, algorithms, list(files), block_size, t_dtype=t_dtype, t_ndim=ndim,
+                       t_chunks=nchunks, t_tied=tied, shape=shape, c_file=c_file, c_start=c_start,
+                       c_length=c_length, c_alg=c_alg, offsets=offsets, box=box, digests=digests)
+
+
+def _chunk_rule(c_tensor: np.ndarray, names: list[str], bad: np.ndarray, where: str, what: str) -> None:
+    """Raise naming the tensor of the first chunk flagged in ``bad``."""
+    found = np.flatnonzero(bad)
+    if found.size:
+        raise CorruptCheckpointError(f"{where}: tensor {names[int(c_tensor[found[0]])]!r}: a chunk {what}")
+
+
+def _products(values: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Float64 products per segment ``[at[g], at[g+1])`` (1 when empty): overflow tests."""
+    out = np.ones(len(at) - 1, dtype=np.float64)
+    nonempty = at[1:] > at[:-1]
+    if values.size:
+        prod = np.multiply.reduceat(values.astype(np.float64), at[:-1][nonempty])
+        out[nonempty] = prod
+    return out
+
+
+def _exact_products(values: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Int64 products per segment ``[at[g], at[g+1])`` (1 when empty); the caller has
+    checked that they fit."""
+    out = np.ones(len(at) - 1, dtype=np.int64)
+    nonempty = at[1:] > at[:-1]
+    if values.size:
+        out[nonempty] = np.multiply.reduceat(values, at[:-1][nonempty])
+    return out
+
+
+def _check_boxes(names: list[str], shape: np.ndarray, ndim: np.ndarray, itemsize: np.ndarray,
+                 nchunks: np.ndarray, c_tensor: np.ndarray, c_length: np.ndarray, offsets: np.ndarray,
+                 box: np.ndarray, where: str) -> np.ndarray:
+    """Shapes that torch can allocate, boxes inside their tensors, byte lengths that match
+    the boxes; returns every tensor's element count."""
+    shape_at = np.concatenate(([0], np.cumsum(ndim))).astype(np.int64)
+    roomy = np.maximum(shape, 1)
+    approx = _products(roomy, shape_at) * itemsize
+    for i in np.flatnonzero(approx >= 2.0 ** 62).tolist():  # near the limit: decide exactly
+        dims = shape[shape_at[i]:shape_at[i + 1]].tolist()
+        if math.prod(max(d, 1) for d in dims) * int(itemsize[i]) >= 2**63:
+            raise CorruptCheckpointError(f"{where}: tensor {names[i]!r}: bad shape {str(dims)[:100]}")
+    volumes = _exact_products(shape, shape_at)
+    if not len(c_tensor):
+        return volumes
+    _need(offsets.min() >= 0 and box.min() >= 0, where, "negative chunk offset or shape")
+    # the tensor dimension each chunk dimension belongs to
+    c_ndim = ndim[c_tensor]
+    dim_at = np.concatenate(([0], np.cumsum(c_ndim))).astype(np.int64)
+    tdim = _segments(shape_at[:-1][c_tensor], c_ndim)
+    bound = shape[tdim]
+    bad = np.flatnonzero((offsets > bound) | (box > bound - offsets))
+    if bad.size:
+        j = int(np.searchsorted(dim_at, bad[0], side="right") - 1)
+        raise CorruptCheckpointError(f"{where}: tensor {names[int(c_tensor[j])]!r}: chunk box outside the tensor")
+    c_volume = _exact_products(box, dim_at)
+    bad = np.flatnonzero(c_length != c_volume * itemsize[c_tensor])
+    if bad.size:
+        raise CorruptCheckpointError(f"{where}: tensor {names[int(c_tensor[bad[0]])]!r}: "
+                                     "byte length does not match its chunk's shape")
+    # volumes add up (exact int64 sums, with a float64 sum ruling out wrap-around)
+    first = np.concatenate(([0], np.cumsum(nchunks))).astype(np.int64)[:-1]
+    has = nchunks > 0
+    total = np.zeros(len(names), dtype=np.int64)
+    approx_total = np.zeros(len(names), dtype=np.float64)
+    total[has] = np.add.reduceat(c_volume, first[has])
+    approx_total[has] = np.add.reduceat(c_volume.astype(np.float64), first[has])
+    bad = np.flatnonzero((total != volumes) | (np.abs(approx_total - volumes) > 1 + volumes * 1e-6))
+    if bad.size:
+        i = int(bad[0])
+        raise CorruptCheckpointError(f"{where}: tensor {names[i]!r}: the pieces cover {int(approx_total[i])} of "
+                                     f"{int(volumes[i])} elements; every element must be held by exactly one box")
+    return volumes
+
+
+def _check_coverage(names: list[str], shape: np.ndarray, ndim: np.ndarray, nchunks: np.ndarray,
+                    volumes: np.ndarray, offsets: np.ndarray, box: np.ndarray, where: str) -> None:
+    """Chunks tile their tensor: volumes add up (checked before); a single chunk is the
+    whole tensor; several are a grid (checked with numpy) or pass ``plan.check_coverage``."""
+    shape_at = np.concatenate(([0], np.cumsum(ndim))).astype(np.int64)
+    first = np.concatenate(([0], np.cumsum(nchunks))).astype(np.int64)
+    c_ndim = np.repeat(ndim, nchunks)
+    dim_at = np.concatenate(([0], np.cumsum(c_ndim))).astype(np.int64)
+    single = np.flatnonzero(nchunks == 1)
+    if single.size:  # the box equals the tensor's shape (its offsets are then 0)
+        rows = _segments(dim_at[first[single]], ndim[single])
+        tdims = _segments(shape_at[single], ndim[single])
+        bad = np.flatnonzero(box[rows] != shape[tdims])
+        if bad.size:
+            i = int(single[np.searchsorted(np.cumsum(ndim[single]), bad[0], side="right")])
+            raise CorruptCheckpointError(f"{where}: tensor {names[i]!r}: its chunk does not cover it")
+    for i in np.flatnonzero(nchunks > 1).tolist():
+        k = int(ndim[i])
+        rows = slice(int(dim_at[first[i]]), int(dim_at[first[i + 1]]))
+        off, ext = offsets[rows].reshape(-1, k), box[rows].reshape(-1, k)
+        if _is_grid(off, ext):
+            continue
+        g = tuple(shape[shape_at[i]:shape_at[i + 1]].tolist())
+        try:
+            check_coverage(names[i], g, list(zip(map(tuple, off.tolist()), map(tuple, ext.tolist()))))
+        except PlanError as exc:
+            raise CorruptCheckpointError(f"{where}: {exc}") from exc
+
+
+def _is_grid(off: np.ndarray, ext: np.ndarray) -> bool:
+    """True when the non-empty boxes are distinct cells of one grid with as many cells as
+    boxes: with their volumes adding up to the tensor's and every box inside it (both
+    checked by the caller), they then tile it exactly."""
+    keep = np.all(ext > 0, axis=1)
+    off, ext = off[keep], ext[keep]
+    if len(off) == 0:
+        return True
+    cells, cell = 1, np.zeros(len(off), dtype=np.int64)
+    for d in range(off.shape[1]):
+        cuts = np.unique(np.concatenate((off[:, d], off[:, d] + ext[:, d])))
+        lo, hi = np.searchsorted(cuts, off[:, d]), np.searchsorted(cuts, off[:, d] + ext[:, d])
+        if np.any(hi - lo != 1):
+            return False
+        cells *= len(cuts) - 1
+        if cells > len(off):
+            return False
+        cell = cell * (len(cuts) - 1) + lo
+    return cells == len(off) and len(np.unique(cell)) == len(off)

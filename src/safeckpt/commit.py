@@ -15,9 +15,12 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, cast
+
+import numpy as np
 
 from .errors import CleanupWarning, warn
 from .checksum import BLOCK_SIZE, checksum
@@ -30,7 +33,7 @@ from .group import SingleGroup, TorchGroup
 from .compact import TableBuilder
 from .manifest import (WRITE_VERSION, Chunk, FileEntry, Manifest, encode_manifest, is_shared, manifest_name,
                        manifest_seq)
-from .plan import PieceInfo, PlanError, assign_writes, check_coverage
+from .plan import PieceInfo, PlanError, assign_writes, check_tilings
 from .state import FlatState
 from .storage import Storage
 
@@ -167,7 +170,7 @@ class SaveRun:
         _check_agreement(intents)
         self.tree = merge_trees([i.tree for i in intents], has_local=any(i.has_local for i in intents))
         per_rank = assign_writes([i.pieces for i in intents])
-        _check_shards(intents)
+        _check_shards(per_rank)
         self.old, max_seq = self.existing(self.storage)
         refuse_existing(self.storage, self.old, max_seq, self.overwrite)
         if self.chunk_size is not None and self.base is not None:
@@ -267,11 +270,12 @@ class SaveRun:
         """Every piece a rank wrote is one chunk."""
         for intent, rep in zip(intents, reports):
             infos = {p.name: p for p in intent.pieces}  # this rank's boxes
-            file = rep.file.name if rep.file is not None else ""  # written pieces imply a file
-            for w in rep.written:
-                info = infos[w.name]
-                table.chunk(table.tensor(w.name, info.dtype, info.global_shape), file, w.start, w.end,
-                            w.checksums, info.offsets, info.shape)
+            if rep.file is None:  # a rank that wrote nothing
+                continue
+            pieces = [infos[w.name] for w in rep.written]
+            table.chunks(rep.file.name, [table.tensor(p.name, p.dtype, p.global_shape) for p in pieces],
+                         [w.start for w in rep.written], [w.end for w in rep.written],
+                         [w.checksums for w in rep.written], [p.offsets for p in pieces], [p.shape for p in pieces])
 
     def _add_chunks(self, intents: list[Intent], reports: list[Report], files: dict[str, FileEntry],
                     table: TableBuilder) -> None:
@@ -416,16 +420,22 @@ def _check_agreement(intents: list[Intent]) -> None:
                 f"rank {rank} step {intent.step} to {intent.url} (did a rank resume from another checkpoint?)")
 
 
-def _check_shards(intents: list[Intent]) -> None:
-    boxes: dict[str, set] = {}
-    shapes: dict[str, tuple] = {}
-    for intent in intents:
-        for p in intent.pieces:
-            if p.kind == "shard":
-                boxes.setdefault(p.name, set()).add((p.offsets, p.shape))
-                shapes[p.name] = p.global_shape
-    for name, found in boxes.items():
-        check_coverage(name, shapes[name], sorted(found))
+def _check_shards(per_rank: list[list[PieceInfo]]) -> None:
+    """The boxes of every sharded tensor tile it. ``per_rank`` is ``assign_writes``'s
+    answer, which holds each distinct box once; checked in one batch per number of
+    dimensions (``plan.check_tilings``)."""
+    pieces = [p for pieces in per_rank for p in pieces if p.kind == "shard"]
+    ranks = set(map(len, (p.global_shape for p in pieces)))
+    by_rank = {k: pieces for k in ranks} if len(ranks) == 1 else \
+        {k: [p for p in pieces if len(p.global_shape) == k] for k in ranks}
+    for k, batch in by_rank.items():
+        index: dict[str, int] = {}
+        tensor = np.asarray([index.setdefault(p.name, len(index)) for p in batch], dtype=np.int64)
+        shapes = {p.name: p.global_shape for p in batch}
+        offsets = np.fromiter(itertools.chain.from_iterable(p.offsets for p in batch), np.int64, len(batch) * k)
+        extents = np.fromiter(itertools.chain.from_iterable(p.shape for p in batch), np.int64, len(batch) * k)
+        check_tilings(list(index), [shapes[n] for n in index], tensor, offsets.reshape(len(batch), k),
+                      extents.reshape(len(batch), k))
 
 
 def merge_trees(trees: list[Any], key: str = "", has_local: bool = True) -> Any:

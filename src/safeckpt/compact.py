@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import math
 import zlib
 from collections.abc import Iterator, Mapping
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import CorruptCheckpointError
-from .plan import Box, PlanError, check_coverage
+from .plan import Box, PlanError, check_tilings
 from .tensors import MAX_DIMS, dtype_from_name
 
 if TYPE_CHECKING:
@@ -82,24 +83,25 @@ def _segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 class TableBuilder:
     """Collects tensors and their chunks (in any order) into a ``TensorTable``: what a
-    writer fills from its plan, with no per-tensor dataclass."""
+    writer fills from its plan, with no per-tensor dataclass. Chunks come in batches of
+    one file (``chunks``), so the per-piece work is a few list operations."""
 
     def __init__(self) -> None:
         self.names: list[str] = []
         self.index: dict[str, int] = {}
         self.dtypes: list[str] = []
         self.t_dtype: list[int] = []
-        self.t_shape: list[list[int] | tuple[int, ...]] = []
+        self.t_shape: list[Any] = []
         self.t_tied: list[str | None] = []
         self.c_tensor: list[int] = []
-        self.c_file: list[str] = []
+        self.c_file: list[tuple[str, int]] = []  # (file, how many chunks in a row)
         self.c_start: list[int] = []
         self.c_end: list[int] = []
         self.c_sums: list[list[str]] = []
         self.c_offsets: list[Any] = []
         self.c_shape: list[Any] = []
 
-    def tensor(self, name: str, dtype: str, shape: list[int] | tuple[int, ...], tied_to: str | None = None) -> int:
+    def tensor(self, name: str, dtype: str, shape: Any, tied_to: str | None = None) -> int:
         """The index of tensor ``name``, added on first sight."""
         i = self.index.get(name)
         if i is None:
@@ -112,57 +114,86 @@ class TableBuilder:
             self.t_tied.append(tied_to)
         return i
 
+    def chunks(self, file: str, tensors: list[int], starts: list[int], ends: list[int],
+               checksums: list[list[str]], offsets: list[Any], shapes: list[Any]) -> None:
+        """Chunks of one file: tensor index, byte range, block checksums and box of each."""
+        self.c_tensor += tensors
+        self.c_file.append((file, len(tensors)))
+        self.c_start += starts
+        self.c_end += ends
+        self.c_sums += checksums
+        self.c_offsets += offsets
+        self.c_shape += shapes
+
     def chunk(self, tensor: int, file: str, start: int, end: int, checksums: list[str],
               offsets: Any, shape: Any) -> None:
-        self.c_tensor.append(tensor)
-        self.c_file.append(file)
-        self.c_start.append(start)
-        self.c_end.append(end)
-        self.c_sums.append(checksums)
-        self.c_offsets.append(offsets)
-        self.c_shape.append(shape)
+        self.chunks(file, [tensor], [start], [end], [checksums], [offsets], [shape])
 
     def alias(self, name: str, first: str) -> None:
         """``name`` is tied to ``first`` (the same tensor): its own entry, the same chunks."""
         src = self.index[first]
         i = self.tensor(name, self.dtypes[self.t_dtype[src]], self.t_shape[src], first)
+        files = [f for f, n in self.c_file for _ in range(n)]
         for j in [j for j, t in enumerate(self.c_tensor) if t == src]:
-            self.chunk(i, self.c_file[j], self.c_start[j], self.c_end[j], self.c_sums[j], self.c_offsets[j],
+            self.chunk(i, files[j], self.c_start[j], self.c_end[j], self.c_sums[j], self.c_offsets[j],
                        self.c_shape[j])
 
     def build(self, file_names: list[str], block_size: int) -> "TensorTable":
         """The table, its chunks naming files by their position in ``file_names`` (the
         manifest's ``files``)."""
         file_index = {n: i for i, n in enumerate(file_names)}
-        order = np.argsort(np.asarray(self.c_tensor, dtype=np.int64), kind="stable")
-        counts = np.bincount(np.asarray(self.c_tensor, dtype=np.int64), minlength=len(self.names))
-        algorithms: list[str] = []
-        c_alg, hexes = [], []
-        for i in order.tolist():
-            sums = self.c_sums[i]
-            alg = sums[0].partition(":")[0]
-            if alg not in algorithms:
-                algorithms.append(alg)
-            c_alg.append(algorithms.index(alg))
-            for s in sums:
-                a, _, digits = s.partition(":")
-                if a != alg:
-                    raise ValueError(f"chunk of {self.names[self.c_tensor[i]]!r} mixes checksum algorithms")
-                hexes.append(digits)
-        starts = np.asarray(self.c_start, dtype=np.int64)[order]
+        tensor = np.asarray(self.c_tensor, dtype=np.int64)
+        order = np.argsort(tensor, kind="stable")
+        counts = np.bincount(tensor, minlength=len(self.names)).astype(np.int64)
+        c_file = np.repeat(np.asarray([file_index[f] for f, _ in self.c_file], dtype=np.int64),
+                           np.asarray([n for _, n in self.c_file], dtype=np.int64))
+        algorithms, c_alg, digests = _digests(self.c_sums, order)
+        starts = np.asarray(self.c_start, dtype=np.int64)
         ndim = np.asarray([len(s) for s in self.t_shape], dtype=np.int64)
-        offsets = [d for i in order.tolist() for d in self.c_offsets[i]]
-        boxes = [d for i in order.tolist() for d in self.c_shape[i]]
         tied = [-1 if t is None else self.index[t] for t in self.t_tied]
+        c_ndim = ndim[tensor]
         return TensorTable(
             self.names, self.dtypes, algorithms, list(file_names), block_size,
-            t_dtype=np.asarray(self.t_dtype, dtype=np.int64), t_ndim=ndim, t_chunks=counts.astype(np.int64),
+            t_dtype=np.asarray(self.t_dtype, dtype=np.int64), t_ndim=ndim, t_chunks=counts,
             t_tied=np.asarray(tied, dtype=np.int64),
-            shape=np.asarray([d for s in self.t_shape for d in s], dtype=np.int64),
-            c_file=np.asarray([file_index[f] for f in self.c_file], dtype=np.int64)[order], c_start=starts,
-            c_length=np.asarray(self.c_end, dtype=np.int64)[order] - starts,
-            c_alg=np.asarray(c_alg, dtype=np.int64), offsets=np.asarray(offsets, dtype=np.int64),
-            box=np.asarray(boxes, dtype=np.int64), digests=bytes.fromhex("".join(hexes)))
+            shape=np.fromiter(itertools.chain.from_iterable(self.t_shape), dtype=np.int64, count=int(ndim.sum())),
+            c_file=c_file[order], c_start=starts[order],
+            c_length=(np.asarray(self.c_end, dtype=np.int64) - starts)[order], c_alg=c_alg,
+            offsets=_ragged(self.c_offsets, c_ndim, order), box=_ragged(self.c_shape, c_ndim, order),
+            digests=digests)
+
+
+def _ragged(rows: list[Any], lengths: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """``rows`` (sequences of ``lengths[i]`` ints) flattened in ``order``."""
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+    if len(rows) and (lengths == lengths[0]).all():  # one rank of tensors: a reshape
+        return flat.reshape(len(rows), int(lengths[0]))[order].ravel()
+    at = np.concatenate(([0], np.cumsum(lengths)))[:-1]
+    return flat[_segments(at[order], lengths[order])]
+
+
+def _digests(sums: list[list[str]], order: np.ndarray) -> tuple[list[str], np.ndarray, bytes]:
+    """The algorithm table, each chunk's algorithm and the raw digests, in ``order``."""
+    flat = list(itertools.chain.from_iterable(sums))
+    for alg, width in ALGORITHM_WIDTH.items():  # the common case: one checksum per chunk, one algorithm
+        prefix = alg + ":"
+        if len(flat) == len(sums) and set(map(len, flat)) == {len(prefix) + 2 * width} and \
+                all(map(str.startswith, flat, itertools.repeat(prefix))):
+            raw = np.frombuffer(bytes.fromhex("".join(flat).replace(prefix, "")), dtype=np.uint8)
+            return [alg], np.zeros(len(sums), dtype=np.int64), raw.reshape(len(sums), width)[order].tobytes()
+    algorithms: list[str] = []
+    c_alg, hexes = [], []
+    for chunk_sums in (sums[i] for i in order.tolist()):
+        alg = chunk_sums[0].partition(":")[0]
+        if alg not in algorithms:
+            algorithms.append(alg)
+        c_alg.append(algorithms.index(alg))
+        for s in chunk_sums:
+            a, _, digits = s.partition(":")
+            if a != alg:
+                raise ValueError(f"a chunk mixes checksum algorithms ({alg}, {a})")
+            hexes.append(digits)
+    return algorithms, np.asarray(c_alg, dtype=np.int64), bytes.fromhex("".join(hexes))
 
 
 def from_entries(tensors: Mapping[str, "TensorEntry"], file_names: list[str], block_size: int) -> "TensorTable":
@@ -349,7 +380,7 @@ def decode_table(raw: Any, files: Mapping[str, Any], block_size: int, where: str
         size = sizes[c_file]
         _chunk_rule(c_tensor, names, (c_start > size) | (c_length > size - c_start), where,
                     "its byte range does not fit its file")
-    volumes = _check_boxes(names, shape, ndim, itemsizes[t_dtype], nchunks, c_tensor, c_length, offsets, box, where)
+    _check_boxes(names, shape, ndim, itemsizes[t_dtype], nchunks, c_tensor, c_length, offsets, box, where)
     digest = raw["digests"]
     try:
         digests = base64.b64decode(digest, validate=True) if isinstance(digest, str) else None
@@ -359,7 +390,7 @@ def decode_table(raw: Any, files: Mapping[str, Any], block_size: int, where: str
     sums = np.maximum(1, -(-c_length // block_size))
     _need(digests is not None and len(digests) == int((sums * width[c_alg]).sum()), where,
           "the block digests do not match the chunks (truncated or altered)")
-    _check_coverage(names, shape, ndim, nchunks, volumes, offsets, box, where)
+    _check_coverage(names, shape, ndim, nchunks, offsets, box, where)
     return TensorTable(names, dtypes, algorithms, list(files), block_size, t_dtype=t_dtype, t_ndim=ndim,
                        t_chunks=nchunks, t_tied=tied, shape=shape, c_file=c_file, c_start=c_start,
                        c_length=c_length, c_alg=c_alg, offsets=offsets, box=box, digests=digests)
@@ -438,12 +469,13 @@ def _check_boxes(names: list[str], shape: np.ndarray, ndim: np.ndarray, itemsize
 
 
 def _check_coverage(names: list[str], shape: np.ndarray, ndim: np.ndarray, nchunks: np.ndarray,
-                    volumes: np.ndarray, offsets: np.ndarray, box: np.ndarray, where: str) -> None:
-    """Chunks tile their tensor: volumes add up (checked before); a single chunk is the
-    whole tensor; several are a grid (checked with numpy) or pass ``plan.check_coverage``."""
+                    offsets: np.ndarray, box: np.ndarray, where: str) -> None:
+    """Chunks tile their tensor: volumes add up and boxes lie inside (checked before); a
+    single chunk is the whole tensor; several pass ``plan.check_tilings``."""
     shape_at = np.concatenate(([0], np.cumsum(ndim))).astype(np.int64)
     first = np.concatenate(([0], np.cumsum(nchunks))).astype(np.int64)
     c_ndim = np.repeat(ndim, nchunks)
+    c_tensor = np.repeat(np.arange(len(names), dtype=np.int64), nchunks)
     dim_at = np.concatenate(([0], np.cumsum(c_ndim))).astype(np.int64)
     single = np.flatnonzero(nchunks == 1)
     if single.size:  # the box equals the tensor's shape (its offsets are then 0)
@@ -453,35 +485,14 @@ def _check_coverage(names: list[str], shape: np.ndarray, ndim: np.ndarray, nchun
         if bad.size:
             i = int(single[np.searchsorted(np.cumsum(ndim[single]), bad[0], side="right")])
             raise CorruptCheckpointError(f"{where}: tensor {names[i]!r}: its chunk does not cover it")
-    for i in np.flatnonzero(nchunks > 1).tolist():
-        k = int(ndim[i])
-        rows = slice(int(dim_at[first[i]]), int(dim_at[first[i + 1]]))
-        off, ext = offsets[rows].reshape(-1, k), box[rows].reshape(-1, k)
-        if _is_grid(off, ext):
-            continue
-        g = tuple(shape[shape_at[i]:shape_at[i + 1]].tolist())
+    multi = nchunks[c_tensor] > 1
+    for k in np.unique(c_ndim[multi]).tolist():  # several chunks: one batch per number of dimensions
+        rows = np.flatnonzero(multi & (c_ndim == k))
+        at = dim_at[rows][:, None] + np.arange(k, dtype=np.int64)
+        tensors, local = np.unique(c_tensor[rows], return_inverse=True)
         try:
-            check_coverage(names[i], g, list(zip(map(tuple, off.tolist()), map(tuple, ext.tolist()))))
+            check_tilings([names[i] for i in tensors.tolist()],
+                          [tuple(shape[shape_at[i]:shape_at[i + 1]].tolist()) for i in tensors.tolist()],
+                          local.astype(np.int64), offsets[at], box[at])
         except PlanError as exc:
             raise CorruptCheckpointError(f"{where}: {exc}") from exc
-
-
-def _is_grid(off: np.ndarray, ext: np.ndarray) -> bool:
-    """True when the non-empty boxes are distinct cells of one grid with as many cells as
-    boxes: with their volumes adding up to the tensor's and every box inside it (both
-    checked by the caller), they then tile it exactly."""
-    keep = np.all(ext > 0, axis=1)
-    off, ext = off[keep], ext[keep]
-    if len(off) == 0:
-        return True
-    cells, cell = 1, np.zeros(len(off), dtype=np.int64)
-    for d in range(off.shape[1]):
-        cuts = np.unique(np.concatenate((off[:, d], off[:, d] + ext[:, d])))
-        lo, hi = np.searchsorted(cuts, off[:, d]), np.searchsorted(cuts, off[:, d] + ext[:, d])
-        if np.any(hi - lo != 1):
-            return False
-        cells *= len(cuts) - 1
-        if cells > len(off):
-            return False
-        cell = cell * (len(cuts) - 1) + lo
-    return cells == len(off) and len(np.unique(cell)) == len(off)

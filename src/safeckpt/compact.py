@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import itertools
 import math
 import zlib
@@ -374,12 +375,12 @@ def decode_table(raw: Any, files: Mapping[str, Any], block_size: int, where: str
     box = unpack(cols.get("box"), n_dims, where, "box")
     sizes = np.asarray([f.size for f in files.values()] or [0], dtype=np.int64)
     if n_chunks:
-        _chunk_rule(c_tensor, names, (c_file < 0) | (c_file >= len(files)), where, "names a file not in the list")
-        _chunk_rule(c_tensor, names, (c_alg < 0) | (c_alg >= len(algorithms)), where, "unknown checksum algorithm")
-        _chunk_rule(c_tensor, names, (c_start < 0) | (c_length < 0), where, "negative byte offset or length")
+        rule = functools.partial(_chunk_rule, c_tensor, names)
+        rule((c_file < 0) | (c_file >= len(files)), where, "a chunk names a file not in the list")
+        rule((c_alg < 0) | (c_alg >= len(algorithms)), where, "a chunk names an unknown checksum algorithm")
+        rule((c_start < 0) | (c_length < 0), where, "a chunk has a negative byte offset or length")
         size = sizes[c_file]
-        _chunk_rule(c_tensor, names, (c_start > size) | (c_length > size - c_start), where,
-                    "its byte range does not fit its file")
+        rule((c_start > size) | (c_length > size - c_start), where, "a chunk's byte range does not fit", c_file, files)
     _check_boxes(names, shape, ndim, itemsizes[t_dtype], nchunks, c_tensor, c_length, offsets, box, where)
     digest = raw["digests"]
     try:
@@ -396,11 +397,15 @@ def decode_table(raw: Any, files: Mapping[str, Any], block_size: int, where: str
                        c_length=c_length, c_alg=c_alg, offsets=offsets, box=box, digests=digests)
 
 
-def _chunk_rule(c_tensor: np.ndarray, names: list[str], bad: np.ndarray, where: str, what: str) -> None:
-    """Raise naming the tensor of the first chunk flagged in ``bad``."""
+def _chunk_rule(c_tensor: np.ndarray, names: list[str], bad: np.ndarray, where: str, what: str,
+                c_file: np.ndarray | None = None, files: Mapping[str, Any] | None = None) -> None:
+    """Raise naming the tensor (and, given ``files``, the file) of the first chunk flagged
+    in ``bad``."""
     found = np.flatnonzero(bad)
     if found.size:
-        raise CorruptCheckpointError(f"{where}: tensor {names[int(c_tensor[found[0]])]!r}: a chunk {what}")
+        j = int(found[0])
+        file = f" {list(files)[int(c_file[j])]}" if files is not None and c_file is not None else ""
+        raise CorruptCheckpointError(f"{where}: tensor {names[int(c_tensor[j])]!r}: {what}{file}")
 
 
 def _products(values: np.ndarray, at: np.ndarray) -> np.ndarray:

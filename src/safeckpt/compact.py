@@ -18,7 +18,7 @@ import itertools
 import math
 import zlib
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -197,7 +197,7 @@ def _digests(sums: list[list[str]], order: np.ndarray) -> tuple[list[str], np.nd
     return algorithms, np.asarray(c_alg, dtype=np.int64), bytes.fromhex("".join(hexes))
 
 
-def from_entries(tensors: Mapping[str, "TensorEntry"], file_names: list[str], block_size: int) -> "TensorTable":
+def from_entries(tensors: Mapping[str, "TensorEntry | TableEntry"], file_names: list[str], block_size: int) -> "TensorTable":
     """The table of a manifest built as per-tensor entries (seal, DCP, export, tests), or
     a decoded table whose manifest's file list changed (a seal adds files)."""
     if isinstance(tensors, TensorTable):
@@ -394,7 +394,7 @@ def decode_table(raw: Any, files: Mapping[str, Any], block_size: int, where: str
     _check_coverage(names, shape, ndim, nchunks, offsets, box, where)
     return TensorTable(names, dtypes, algorithms, list(files), block_size, t_dtype=t_dtype, t_ndim=ndim,
                        t_chunks=nchunks, t_tied=tied, shape=shape, c_file=c_file, c_start=c_start,
-                       c_length=c_length, c_alg=c_alg, offsets=offsets, box=box, digests=digests)
+                       c_length=c_length, c_alg=c_alg, offsets=offsets, box=box, digests=cast(bytes, digests))
 
 
 def _chunk_rule(c_tensor: np.ndarray, names: list[str], bad: np.ndarray, where: str, what: str,

@@ -254,32 +254,65 @@ class TensorTable(Mapping[str, "TableEntry"]):
         return len(self.names)
 
     # -- per-tensor views ------------------------------------------------------------
-    def chunk(self, j: int) -> "Chunk":
-        """Chunk row ``j`` as a ``Chunk`` (built on demand)."""
-        a, b = int(self.dim_at[j]), int(self.dim_at[j + 1])
-        alg = self.algorithms[int(self.c_alg[j])]
-        width = ALGORITHM_WIDTH[alg]
-        lo = int(self.digest_at[j])
-        sums = [f"{alg}:{self.digests[p:p + width].hex()}" for p in range(lo, int(self.digest_at[j + 1]), width)]
-        start = int(self.c_start[j])
+    def chunks_at(self, rows: "np.ndarray | list[int]") -> list["Chunk"]:
+        """Chunk rows ``rows`` as ``Chunk`` objects, built in one batch (each column
+        gathered with numpy, then turned into Python values once)."""
         from .manifest import Chunk  # here: manifest.py imports this module
-        return Chunk(self.file_names[int(self.c_file[j])], start, start + int(self.c_length[j]), sums,
-                     self.offsets[a:b].tolist(), self.box[a:b].tolist())
+        rows = np.asarray(rows, dtype=np.int64)
+        if not len(rows):
+            return []
+        files, starts = self.c_file[rows].tolist(), self.c_start[rows].tolist()
+        lengths, algs = self.c_length[rows].tolist(), self.c_alg[rows].tolist()
+        ndim = self.c_ndim[rows]
+        dims = _segments(self.dim_at[rows], ndim)
+        offsets, boxes, ndims = self.offsets[dims].tolist(), self.box[dims].tolist(), ndim.tolist()
+        lo, hi = self.digest_at[rows].tolist(), self.digest_at[rows + 1].tolist()
+        names, digests, algorithms = self.file_names, self.digests, self.algorithms
+        out, d = [], 0
+        for k in range(len(rows)):
+            alg = algorithms[algs[k]]
+            width = ALGORITHM_WIDTH[alg]
+            sums = [f"{alg}:{digests[p:p + width].hex()}" for p in range(lo[k], hi[k], width)]
+            n = ndims[k]
+            out.append(Chunk(names[files[k]], starts[k], starts[k] + lengths[k], sums, offsets[d:d + n],
+                             boxes[d:d + n]))
+            d += n
+        return out
 
-    def meeting(self, i: int, box: Box) -> list["Chunk"]:
-        """The chunks of tensor ``i`` whose boxes meet ``box`` (all of them for a tensor of
-        one chunk: the caller's planning checks that one)."""
-        lo, hi = self._first[i], self._first[i + 1]
-        if hi - lo <= 1:
-            return [self.chunk(j) for j in range(lo, hi)]
+    def meeting_many(self, tensors: list[int], boxes: list[Box]) -> list[list["Chunk"]]:
+        """For each tensor ``tensors[k]``, its chunks whose boxes meet ``boxes[k]`` (every
+        chunk of a tensor of one chunk: the caller's planning checks that one), built in
+        one batch."""
+        rows: list[int] = []
+        counts: list[int] = []
+        first = self._first
+        for i, box in zip(tensors, boxes):
+            lo, hi = first[i], first[i + 1]
+            if hi - lo <= 1:
+                rows += range(lo, hi)
+                counts.append(hi - lo)
+                continue
+            found = self._meeting_rows(i, lo, hi, box)
+            rows += found
+            counts.append(len(found))
+        chunks = self.chunks_at(rows)
+        out, at = [], 0
+        for n in counts:
+            out.append(chunks[at:at + n])
+            at += n
+        return out
+
+    def _meeting_rows(self, i: int, lo: int, hi: int, box: Box) -> list[int]:
         n = self._shape_at[i + 1] - self._shape_at[i]
-        rows = slice(int(self.dim_at[lo]), int(self.dim_at[hi]))
-        off = self.offsets[rows].reshape(hi - lo, n)
-        ext = self.box[rows].reshape(hi - lo, n)
-        want_lo, want_hi = np.asarray(box[0], dtype=np.int64), np.asarray(box[0], dtype=np.int64) + box[1]
-        meets = np.all((np.maximum(off, want_lo) < np.minimum(off + ext, want_hi)), axis=1) if n else \
-            np.ones(hi - lo, dtype=bool)
-        return [self.chunk(lo + int(k)) for k in np.flatnonzero(meets)]
+        if not n:
+            return list(range(lo, hi))
+        dims = slice(int(self.dim_at[lo]), int(self.dim_at[hi]))
+        off = self.offsets[dims].reshape(hi - lo, n)
+        ext = self.box[dims].reshape(hi - lo, n)
+        want = np.asarray(box[0], dtype=np.int64)
+        meets = np.all(np.maximum(off, want) < np.minimum(off + ext, want + np.asarray(box[1], dtype=np.int64)),
+                       axis=1)
+        return (np.flatnonzero(meets) + lo).tolist()
 
     def entries(self) -> dict[str, "TensorEntry"]:
         """Every tensor as a (mutable) ``TensorEntry``: for tools that edit a manifest."""
@@ -334,10 +367,10 @@ class TableEntry:
     @property
     def chunks(self) -> list["Chunk"]:
         t = self.table
-        return [t.chunk(j) for j in range(t._first[self.i], t._first[self.i + 1])]
+        return t.chunks_at(list(range(t._first[self.i], t._first[self.i + 1])))
 
     def meeting(self, box: Box) -> list["Chunk"]:
-        return self.table.meeting(self.i, box)
+        return self.table.meeting_many([self.i], [box])[0]
 
     def __eq__(self, other: object) -> bool:
         return all(getattr(self, f) == getattr(other, f, None) for f in ("dtype", "shape", "chunks", "tied_to"))

@@ -12,13 +12,14 @@ from __future__ import annotations
 import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
 from .checksum import checksum, file_checksum, matches
 from .datafile import read_header_length
 from .errors import CorruptCheckpointError
+from .compact import TableEntry, TensorTable
 from .manifest import Chunk, Manifest
 from .plan import Box, byte_runs, overlap, volume
 from .state import Read
@@ -40,6 +41,24 @@ class _Job:
     runs: list[tuple[int, int]]
     out: memoryview
     whole: bool  # the runs are the whole chunk (decided once: it is asked per neighbour)
+
+
+def chunks_needed(reads: list[Read]) -> list[list[Chunk]]:
+    """For each read, the chunks that meet its box (the whole tensor when it has none):
+    one batch per format-3 table (``TensorTable.meeting_many``), entry by entry otherwise."""
+    boxes = [r.box or ((0,) * len(shape), tuple(shape)) for r in reads for shape in (r.entry.shape,)]
+    out: list[list[Chunk]] = [[] for _ in reads]
+    tables: dict[int, tuple[TensorTable, list[int]]] = {}
+    for k, r in enumerate(reads):
+        if isinstance(r.entry, TableEntry):
+            tables.setdefault(id(r.entry.table), (r.entry.table, []))[1].append(k)
+        else:
+            out[k] = r.entry.meeting(boxes[k])
+    for table, ks in tables.values():
+        found = table.meeting_many([cast(TableEntry, reads[k].entry).i for k in ks], [boxes[k] for k in ks])
+        for k, chunks in zip(ks, found):
+            out[k] = chunks
+    return out
 
 
 def _relative(inner: Box, outer_offsets: tuple[int, ...]) -> Box:
@@ -65,7 +84,7 @@ class TensorReader:
         jobs: list[_Job] = []
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         fresh: dict[tuple, torch.Tensor] = {}
-        for read in reads:
+        for read, chunks in zip(reads, chunks_needed(reads)):
             entry = read.entry
             dtype = dtype_from_name(entry.dtype, read.name)
             if read.dest is None:
@@ -80,7 +99,7 @@ class TensorReader:
             dest = read.dest if read.dest is not None else read.result
             assert dest is not None  # a fresh tensor was made just above
             box = read.box or ((0,) * dest.dim(), tuple(dest.shape))
-            self._plan_read(read.name, entry.meeting(box), dest, box, dtype, jobs, copies)
+            self._plan_read(read.name, chunks, dest, box, dtype, jobs, copies)
         if self.verify:
             self.check_headers({j.chunk.file for j in jobs})
         self._execute(jobs)

@@ -237,8 +237,10 @@ class TensorTable(Mapping[str, "TableEntry"]):
         width = np.asarray([ALGORITHM_WIDTH.get(a, 0) for a in algorithms] or [0], dtype=np.int64)
         self.digest_at = np.concatenate(([0], np.cumsum(self.c_sums * width[c_alg]))).astype(np.int64)
         # per-tensor values as Python lists: a lookup per loaded tensor must not go through numpy
-        self._first, self._dtype = self.first.tolist(), t_dtype.tolist()
-        self._shape_at, self._shape, self._tied = self.shape_at.tolist(), shape.tolist(), t_tied.tolist()
+        self._first, self._shape_at, self._tied = self.first.tolist(), self.shape_at.tolist(), t_tied.tolist()
+        self._dtype = [dtypes[k] for k in t_dtype.tolist()]
+        flat = shape.tolist()
+        self._shape = [flat[a:b] for a, b in zip(self._shape_at, self._shape_at[1:])]
 
     # -- Mapping ---------------------------------------------------------------------
     def __getitem__(self, name: str) -> "TableEntry":
@@ -352,12 +354,11 @@ class TableEntry:
 
     @property
     def dtype(self) -> str:
-        return self.table.dtypes[self.table._dtype[self.i]]
+        return self.table._dtype[self.i]
 
     @property
     def shape(self) -> list[int]:
-        t = self.table
-        return t._shape[t._shape_at[self.i]:t._shape_at[self.i + 1]]
+        return self.table._shape[self.i]
 
     @property
     def tied_to(self) -> str | None:

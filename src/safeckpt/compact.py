@@ -101,6 +101,7 @@ class TableBuilder:
         self.c_sums: list[list[str]] = []
         self.c_offsets: list[Any] = []
         self.c_shape: list[Any] = []
+        self.aliases: list[tuple[int, int]] = []  # (tied tensor, the tensor it is tied to)
 
     def tensor(self, name: str, dtype: str, shape: Any, tied_to: str | None = None) -> int:
         """The index of tensor ``name``, added on first sight."""
@@ -131,17 +132,31 @@ class TableBuilder:
         self.chunks(file, [tensor], [start], [end], [checksums], [offsets], [shape])
 
     def alias(self, name: str, first: str) -> None:
-        """``name`` is tied to ``first`` (the same tensor): its own entry, the same chunks."""
-        src = self.index[first]
-        i = self.tensor(name, self.dtypes[self.t_dtype[src]], self.t_shape[src], first)
+        """``name`` is tied to ``first`` (the same tensor): its own entry, the same chunks
+        (copied in ``build``). Every rank of a sharded tie reports it; the first counts."""
+        if name not in self.index:
+            src = self.index[first]
+            self.aliases.append((self.tensor(name, self.dtypes[self.t_dtype[src]], self.t_shape[src], first), src))
+
+    def _copy_aliased(self) -> None:
+        """Give every alias the chunks of its tensor (one pass over the chunks)."""
+        sources = {src for _, src in self.aliases}
         files = [f for f, n in self.c_file for _ in range(n)]
-        for j in [j for j, t in enumerate(self.c_tensor) if t == src]:
-            self.chunk(i, files[j], self.c_start[j], self.c_end[j], self.c_sums[j], self.c_offsets[j],
-                       self.c_shape[j])
+        rows: dict[int, list[int]] = {}
+        for j, t in enumerate(self.c_tensor):
+            if t in sources:
+                rows.setdefault(t, []).append(j)
+        for alias, src in self.aliases:
+            for j in rows.get(src, []):
+                self.chunk(alias, files[j], self.c_start[j], self.c_end[j], self.c_sums[j], self.c_offsets[j],
+                           self.c_shape[j])
+        self.aliases = []
 
     def build(self, file_names: list[str], block_size: int) -> "TensorTable":
         """The table, its chunks naming files by their position in ``file_names`` (the
         manifest's ``files``)."""
+        if self.aliases:
+            self._copy_aliased()
         file_index = {n: i for i, n in enumerate(file_names)}
         tensor = np.asarray(self.c_tensor, dtype=np.int64)
         order = np.argsort(tensor, kind="stable")

@@ -172,6 +172,18 @@ def test_a_crafted_manifest_is_a_corrupt_checkpoint(ckpt, case):
     assert_refused(ckpt, manifest)
 
 
+_FORMAT_1_ONLY = ("shape", "dtype", "chunk", "tensors")  # cases that edit format 1's per-tensor entries
+
+
+@pytest.mark.parametrize("case", [c for c in CRAFTED if not c.startswith(_FORMAT_1_ONLY)])
+def test_a_crafted_format_3_manifest_is_a_corrupt_checkpoint(tmp_path, case):
+    """The same hostile trees, values and fields in the manifest a save writes now."""
+    ckpt = tmp_path / "ck3"
+    safeckpt.save(_state(), ckpt)
+    manifest = craft(ckpt, CRAFTED[case])
+    assert_refused(ckpt, manifest)
+
+
 def test_restore_falls_back_past_crafted_checkpoints(tmp_path):
     """steps() and restore() skip a crafted newest step (deep JSON, deep tree, bad
     values) and restore the older good one."""

@@ -297,3 +297,14 @@ def test_the_manifest_grows_by_bytes_per_piece(tmp_path):
     names = len(json.dumps([f"layer{i}.w" for i in range(1000, 3000)])) / 2000
     tree = len(json.dumps({f"layer{i}.w": {"$tensor": f"layer{i}.w"} for i in range(1000, 3000)})) / 2000
     assert per_tensor - names - tree < 24, per_tensor  # digest (8 bytes, base64) and deflated columns
+
+
+def test_table_queries_match_the_per_tensor_entries():
+    """shared_bytes and chunks_in (ls, verify) over the table equal the per-entry answers
+    (golden v3 incremental run: step 2 shares step 1's chunks)."""
+    golden = Path(__file__).parent / "golden" / "v3" / "run" / "step-000000002"
+    m = decode_manifest(_manifest(golden).read_bytes(), "m")
+    entries = dataclasses.replace(m, tensors=editable(m.tensors))
+    assert m.shared_bytes() == entries.shared_bytes() > 0
+    for name in m.files:
+        assert m.chunks_in(name) == entries.chunks_in(name) and m.chunks_in(name)

@@ -331,6 +331,20 @@ class TensorTable(Mapping[str, "TableEntry"]):
                        axis=1)
         return (np.flatnonzero(meets) + lo).tolist()
 
+    def chunks_in(self, file: str) -> list[tuple[str, "Chunk"]]:
+        """(tensor name, chunk) of every chunk stored in ``file``, found with numpy."""
+        if file not in self.file_names:
+            return []
+        rows = np.flatnonzero(self.c_file == self.file_names.index(file))
+        return list(zip([self.names[i] for i in self.c_tensor[rows].tolist()], self.chunks_at(rows)))
+
+    def distinct_bytes(self, files: list[bool]) -> int:
+        """Bytes of the distinct byte ranges the chunks hold in the files flagged in
+        ``files`` (by position in the manifest's list): ties and repeats count once."""
+        mask = np.asarray(files + [False], dtype=bool)[self.c_file]
+        ranges = np.stack((self.c_file[mask], self.c_start[mask], self.c_length[mask]))
+        return int(np.unique(ranges, axis=1)[2].sum()) if ranges.shape[1] else 0
+
     def entries(self) -> dict[str, "TensorEntry"]:
         """Every tensor as a (mutable) ``TensorEntry``: for tools that edit a manifest."""
         from .manifest import TensorEntry

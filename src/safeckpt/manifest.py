@@ -135,8 +135,16 @@ class Manifest:
 
     def shared_bytes(self) -> int:
         """Bytes of tensor data it shares with earlier checkpoints (each chunk once)."""
+        if isinstance(self.tensors, TensorTable):
+            return self.tensors.distinct_bytes([is_shared(n) for n in self.tensors.file_names])
         return sum(end - start for _, start, end in
                    {(c.file, c.start, c.end) for t in self.tensors.values() for c in t.chunks if is_shared(c.file)})
+
+    def chunks_in(self, file: str) -> list[tuple[str, Chunk]]:
+        """(tensor name, chunk) of every chunk stored in ``file``."""
+        if isinstance(self.tensors, TensorTable):
+            return self.tensors.chunks_in(file)
+        return [(name, c) for name, t in self.tensors.items() for c in t.chunks if c.file == file]
 
 
 def editable(tensors: "Mapping[str, TensorEntry | TableEntry]") -> dict[str, TensorEntry]:

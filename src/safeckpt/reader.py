@@ -250,11 +250,10 @@ class TensorReader:
         problems = []
         checks: list[Callable[[], Any]] = [lambda: self.check_headers({name})]
         seen = set()
-        for tname, entry in self.manifest.tensors.items():
-            for c in entry.chunks:
-                if c.file == name and (c.start, c.end) not in seen:
-                    seen.add((c.start, c.end))
-                    checks.append(functools.partial(self._verify_chunk, tname, c))
+        for tname, c in self.manifest.chunks_in(name):
+            if (c.start, c.end) not in seen:
+                seen.add((c.start, c.end))
+                checks.append(functools.partial(self._verify_chunk, tname, c))
         for check in checks:
             try:
                 check()

@@ -50,7 +50,7 @@ def manifest_for(per_rank: list[list[PieceInfo]]) -> Manifest:
         offset, size = 64, 64 + sum(p.nbytes for p in pieces)
         files[name] = FileEntry(name, size, rank, 64, checksum(name.encode()))
         starts = list(itertools.accumulate((p.nbytes for p in pieces), initial=offset))
-        table.chunks(name, [table.tensor(p.name, p.dtype, p.global_shape) for p in pieces], starts[:-1],
+        table.chunks(name, table.indices(pieces), starts[:-1],
                      starts[1:], [[f"xxh3_64:{i:016x}"] for i in range(n, n + len(pieces))],
                      [p.offsets for p in pieces], [p.shape for p in pieces])
         n += len(pieces)

@@ -273,7 +273,7 @@ class SaveRun:
             if rep.file is None:  # a rank that wrote nothing
                 continue
             pieces = [infos[w.name] for w in rep.written]
-            table.chunks(rep.file.name, [table.tensor(p.name, p.dtype, p.global_shape) for p in pieces],
+            table.chunks(rep.file.name, table.indices(pieces),
                          [w.start for w in rep.written], [w.end for w in rep.written],
                          [w.checksums for w in rep.written], [p.offsets for p in pieces], [p.shape for p in pieces])
 

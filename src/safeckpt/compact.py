@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from .errors import CorruptCheckpointError
-from .plan import Box, PlanError, check_tilings
+from .plan import Box, PieceInfo, PlanError, check_tilings
 from .tensors import MAX_DIMS, dtype_from_name
 
 if TYPE_CHECKING:
@@ -115,6 +115,14 @@ class TableBuilder:
             self.t_shape.append(shape)
             self.t_tied.append(tied_to)
         return i
+
+    def indices(self, pieces: list[PieceInfo]) -> list[int]:
+        """The tensor index of each piece, adding the tensors seen for the first time."""
+        get = self.index.get
+        out = [get(p.name) for p in pieces]
+        if None in out:
+            out = [self.tensor(p.name, p.dtype, p.global_shape) if i is None else i for i, p in zip(out, pieces)]
+        return cast("list[int]", out)
 
     def chunks(self, file: str, tensors: list[int], starts: list[int], ends: list[int],
                checksums: list[list[str]], offsets: list[Any], shapes: list[Any]) -> None:

@@ -154,18 +154,20 @@ def check_tilings(names: list[str], shapes: list[tuple[int, ...]], tensor: np.nd
     exact = np.zeros(n, dtype=np.int64)  # int64 sums; the float64 ones rule out wrap-around
     np.add.at(exact, tensor, volumes)
     approx = np.bincount(tensor, weights=volumes.astype(np.float64), minlength=n)
-    grid = grid_tensors(tensor, offsets, extents, n)
+    grid = grid_tensors(tensor, offsets, extents, n, bound)
     for i in np.flatnonzero((approx != want) | (exact != want.astype(np.int64)) | ~grid).tolist():
         rows = tensor == i
         check_coverage(names[i], shapes[i], list(zip(map(tuple, offsets[rows].tolist()),
                                                      map(tuple, extents[rows].tolist()))))
 
 
-def grid_tensors(tensor: np.ndarray, offsets: np.ndarray, extents: np.ndarray, n: int) -> np.ndarray:
+def grid_tensors(tensor: np.ndarray, offsets: np.ndarray, extents: np.ndarray, n: int,
+                 bound: np.ndarray | None = None) -> np.ndarray:
     """For each of ``n`` tensors, whether its non-empty boxes (the rows of ``offsets`` and
     ``extents`` whose ``tensor`` is its index) are distinct cells of one grid with as many
     cells as boxes: if their volumes add up to the tensor's and every box lies inside
-    it, they then tile it exactly. Vectorized over every tensor at once."""
+    it, they then tile it exactly. Vectorized over every tensor at once; a dimension that
+    every box spans whole (``bound``: each row's tensor shape) needs no sort."""
     keep = (extents > 0).all(axis=1)
     t, off, ext = tensor[keep], offsets[keep], extents[keep]
     count = np.bincount(t, minlength=n)
@@ -174,6 +176,8 @@ def grid_tensors(tensor: np.ndarray, offsets: np.ndarray, extents: np.ndarray, n
     cell = np.zeros(len(t), dtype=np.int64)
     both = np.concatenate((t, t))
     for d in range(off.shape[1]):
+        if bound is not None and not off[:, d].any() and (ext[:, d] == bound[keep, d]).all():
+            continue  # one interval: every box is cell 0 of this dimension
         local, distinct = _ranks(both, np.concatenate((off[:, d], off[:, d] + ext[:, d])), n)
         lo, hi = local[:len(t)], local[len(t):]
         ok[t[hi - lo != 1]] = False
@@ -181,9 +185,10 @@ def grid_tensors(tensor: np.ndarray, offsets: np.ndarray, extents: np.ndarray, n
         cells *= intervals
         cell = cell * intervals[t] + lo  # wraps only where cells exceed the count (refused)
     ok &= cells == count
-    order = np.lexsort((cell, t))
-    ts, cs = t[order], cell[order]
-    ok[ts[1:][(ts[1:] == ts[:-1]) & (cs[1:] == cs[:-1])]] = False
+    rows = ok[t]  # there cell < count <= len(t): (tensor, cell) is one int64 key
+    top = int(count.max()) + 1 if len(t) else 1
+    keys = np.sort(t[rows] * top + cell[rows])
+    ok[keys[1:][keys[1:] == keys[:-1]] // top] = False
     return ok | (count == 0)
 
 

@@ -565,10 +565,12 @@ def _check_coverage(names: list[str], shape: np.ndarray, ndim: np.ndarray, nchun
     for k in np.unique(c_ndim[multi]).tolist():  # several chunks: one batch per number of dimensions
         rows = np.flatnonzero(multi & (c_ndim == k))
         at = dim_at[rows][:, None] + np.arange(k, dtype=np.int64)
-        tensors, local = np.unique(c_tensor[rows], return_inverse=True)
+        tensors = np.flatnonzero((nchunks > 1) & (ndim == k))
+        local = np.zeros(len(names), dtype=np.int64)
+        local[tensors] = np.arange(len(tensors), dtype=np.int64)
         try:
             check_tilings([names[i] for i in tensors.tolist()],
                           [tuple(shape[shape_at[i]:shape_at[i + 1]].tolist()) for i in tensors.tolist()],
-                          local.astype(np.int64), offsets[at], box[at])
+                          local[c_tensor[rows]], offsets[at], box[at])
         except PlanError as exc:
             raise CorruptCheckpointError(f"{where}: {exc}") from exc

@@ -3,8 +3,9 @@
 For R ranks x T tensors (defaults 1,024 x 2,000, i.e. ~2 million pieces) this times
 the steps rank 0 runs on the metadata of a save: assigning every piece to a writer
 (`plan.assign_writes`), checking that the shards of each tensor tile it
-(`commit._check_shards`, vectorized in `plan.check_tilings`), building the format-3 tensor table
-(`compact.TableBuilder`, as `commit.SaveRun` does) and encoding the manifest. Then one
+(`commit._check_shards`, vectorized in `plan.check_tilings`), building the format-3 tensor
+table from the ranks' reports (`commit.SaveRun._add_pieces` into a `compact.TableBuilder`)
+and encoding the manifest. Then one
 rank's side of a load: decoding and checking that manifest, and planning its load (the
 chunks that meet its box of every tensor, `TableEntry.meeting`). It also times the
 replicated case (DDP: every rank holds every tensor, each written once in total) and,
@@ -21,7 +22,8 @@ import itertools
 import time
 
 from safeckpt.checksum import checksum
-from safeckpt.commit import _check_shards
+from safeckpt.commit import Intent, Report, SaveRun, _check_shards
+from safeckpt.datafile import WrittenPiece
 from safeckpt.compact import TableBuilder
 from safeckpt.manifest import FileEntry, Manifest, decode_manifest, encode_manifest
 from safeckpt.plan import PieceInfo, assign_writes
@@ -41,30 +43,42 @@ def replicated(ranks: int, tensors: int) -> list[list[PieceInfo]]:
     return [list(pieces) for _ in range(ranks)]
 
 
-def manifest_for(per_rank: list[list[PieceInfo]]) -> Manifest:
-    """What rank 0 builds from the ranks' reports (one distinct checksum per piece)."""
-    files, table = {}, TableBuilder()
+def reports_for(per_rank: list[list[PieceInfo]]) -> tuple[list[Intent], list[Report]]:
+    """What the ranks send rank 0 after writing (input, not timed): each rank's assigned
+    pieces and its report (data file, every piece's byte range and checksum)."""
+    intents, reports = [], []
     n = 0
     for rank, pieces in enumerate(per_rank):
         name = f"data-0123456789abcdef0000-r{rank:05d}.safetensors"
-        offset, size = 64, 64 + sum(p.nbytes for p in pieces)
-        files[name] = FileEntry(name, size, rank, 64, checksum(name.encode()))
-        starts = list(itertools.accumulate((p.nbytes for p in pieces), initial=offset))
-        table.chunks(name, table.indices(pieces), starts[:-1],
-                     starts[1:], [[f"xxh3_64:{i:016x}"] for i in range(n, n + len(pieces))],
-                     [p.offsets for p in pieces], [p.shape for p in pieces])
+        starts = list(itertools.accumulate((p.nbytes for p in pieces), initial=64))
+        written = [WrittenPiece(p.name, a, b, [f"xxh3_64:{n + i:016x}"])
+                   for i, (p, a, b) in enumerate(zip(pieces, starts, starts[1:]))]
         n += len(pieces)
-    return Manifest("0123456789abcdef0000", 1, time.time(), len(per_rank), files, table.build(list(files), 1 << 24),
+        intents.append(Intent("url", None, pieces, {}, {}))
+        reports.append(Report(FileEntry(name, starts[-1], rank, 64, checksum(name.encode())), written))
+    return intents, reports
+
+
+def manifest_for(intents: list[Intent], reports: list[Report]) -> Manifest:
+    """What rank 0 builds from the reports: ``SaveRun._add_pieces`` into a tensor table."""
+    files = {rep.file.name: rep.file for rep in reports if rep.file is not None}
+    table = TableBuilder()
+    SaveRun._add_pieces(intents, reports, table)
+    return Manifest("0123456789abcdef0000", 1, time.time(), len(intents), files, table.build(list(files), 1 << 24),
                     {}, version=3)
 
 
-def timed(label: str, fn, quiet: bool = False):
+def timed(label: str, fn, quiet: bool = False, spent: list | None = None):
     """Run ``fn``, printing its wall and CPU seconds (CPU time: this process's own work,
-    which other jobs on a shared machine inflate far less than the wall clock)."""
+    which other jobs on a shared machine inflate far less than the wall clock); the CPU
+    seconds are appended to ``spent``."""
     wall, cpu = time.perf_counter(), time.process_time()
     result = fn()
+    used = time.process_time() - cpu
+    if spent is not None:
+        spent.append(used)
     if not quiet:
-        print(f"  {label:<40} {time.perf_counter() - wall:7.2f} s wall {time.process_time() - cpu:7.2f} s CPU")
+        print(f"  {label:<40} {time.perf_counter() - wall:7.2f} s wall {used:7.2f} s CPU")
     return result
 
 
@@ -84,22 +98,22 @@ def measure(kind: str, make, ranks: int, tensors: int, quiet: bool = False) -> d
     if not quiet:
         print(f"{kind}: {ranks} ranks x {tensors} tensors")
     per_rank = timed("describe pieces (input)", lambda: make(ranks, tensors), quiet)
-    start = time.process_time()
-    writes = timed("assign writers", lambda: assign_writes(per_rank), quiet)
-    timed("check shard coverage", lambda: _check_shards(writes), quiet)
-    manifest = timed("build tensor table", lambda: manifest_for(writes), quiet)
-    data = timed("encode manifest", lambda: encode_manifest(manifest), quiet)
-    rank0 = time.process_time() - start
-    start = time.process_time()
-    decoded = timed("decode + check (coverage) manifest", lambda: decode_manifest(data, "manifest"), quiet)
-    chunks = timed("plan one rank's load", lambda: plan_load(decoded, ranks // 2, ranks), quiet)
-    load = time.process_time() - start
+    rank0: list[float] = []
+    writes = timed("assign writers", lambda: assign_writes(per_rank), quiet, rank0)
+    timed("check shard coverage", lambda: _check_shards(writes), quiet, rank0)
+    intents, reports = reports_for(writes)  # the ranks' reports: input, like the pieces
+    manifest = timed("build tensor table", lambda: manifest_for(intents, reports), quiet, rank0)
+    data = timed("encode manifest", lambda: encode_manifest(manifest), quiet, rank0)
+    one: list[float] = []
+    decoded = timed("decode + check (coverage) manifest", lambda: decode_manifest(data, "manifest"), quiet, one)
+    chunks = timed("plan one rank's load", lambda: plan_load(decoded, ranks // 2, ranks), quiet, one)
+    rank0_s, load = sum(rank0), sum(one)
     pieces = sum(map(len, writes))
     if not quiet:
-        print(f"  {'rank 0: plan + build + encode':<40} {rank0:7.2f} s CPU   manifest {len(data) / 2**20:.1f} MiB"
+        print(f"  {'rank 0: plan + build + encode':<40} {rank0_s:7.2f} s CPU   manifest {len(data) / 2**20:.1f} MiB"
               f" ({len(data) / pieces:.1f} B/piece), {pieces} pieces written (of {sum(map(len, per_rank))} held)")
         print(f"  {'one rank: decode + plan its load':<40} {load:7.2f} s CPU   {chunks} chunks to read")
-    return {"rank0": rank0, "load": load, "mib": len(data) / 2**20, "pieces": pieces}
+    return {"rank0": rank0_s, "load": load, "mib": len(data) / 2**20, "pieces": pieces}
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, cast
@@ -272,10 +273,10 @@ class SaveRun:
             infos = {p.name: p for p in intent.pieces}  # this rank's boxes
             if rep.file is None:  # a rank that wrote nothing
                 continue
-            pieces = [infos[w.name] for w in rep.written]
-            table.chunks(rep.file.name, table.indices(pieces),
-                         [w.start for w in rep.written], [w.end for w in rep.written],
-                         [w.checksums for w in rep.written], [p.offsets for p in pieces], [p.shape for p in pieces])
+            written = rep.written
+            pieces = list(map(infos.__getitem__, map(_NAME, written)))
+            table.chunks(rep.file.name, table.indices(pieces), list(map(_START, written)), list(map(_END, written)),
+                         list(map(_CHECKSUMS, written)), list(map(_OFFSETS, pieces)), list(map(_SHAPE, pieces)))
 
     def _add_chunks(self, intents: list[Intent], reports: list[Report], files: dict[str, FileEntry],
                     table: TableBuilder) -> None:
@@ -425,17 +426,23 @@ def _check_shards(per_rank: list[list[PieceInfo]]) -> None:
     answer, which holds each distinct box once; checked in one batch per number of
     dimensions (``plan.check_tilings``)."""
     pieces = [p for pieces in per_rank for p in pieces if p.kind == "shard"]
-    ranks = set(map(len, (p.global_shape for p in pieces)))
+    ranks = set(map(len, map(_GLOBAL_SHAPE, pieces)))
     by_rank = {k: pieces for k in ranks} if len(ranks) == 1 else \
         {k: [p for p in pieces if len(p.global_shape) == k] for k in ranks}
-    for k, batch in by_rank.items():
-        index: dict[str, int] = {}
-        tensor = np.asarray([index.setdefault(p.name, len(index)) for p in batch], dtype=np.int64)
-        shapes = {p.name: p.global_shape for p in batch}
-        offsets = np.fromiter(itertools.chain.from_iterable(p.offsets for p in batch), np.int64, len(batch) * k)
-        extents = np.fromiter(itertools.chain.from_iterable(p.shape for p in batch), np.int64, len(batch) * k)
-        check_tilings(list(index), [shapes[n] for n in index], tensor, offsets.reshape(len(batch), k),
+    for k, batch in by_rank.items():  # C-level maps: this runs once per piece of the job
+        names = list(map(_NAME, batch))
+        shapes = dict(zip(names, map(_GLOBAL_SHAPE, batch)))  # one per tensor, in first-seen order
+        index = {name: i for i, name in enumerate(shapes)}
+        tensor = np.fromiter(map(index.__getitem__, names), np.int64, len(names))
+        offsets = np.fromiter(itertools.chain.from_iterable(map(_OFFSETS, batch)), np.int64, len(batch) * k)
+        extents = np.fromiter(itertools.chain.from_iterable(map(_SHAPE, batch)), np.int64, len(batch) * k)
+        check_tilings(list(shapes), list(shapes.values()), tensor, offsets.reshape(len(batch), k),
                       extents.reshape(len(batch), k))
+
+
+_NAME, _GLOBAL_SHAPE = operator.attrgetter("name"), operator.attrgetter("global_shape")
+_OFFSETS, _SHAPE = operator.attrgetter("offsets"), operator.attrgetter("shape")
+_START, _END, _CHECKSUMS = operator.attrgetter("start"), operator.attrgetter("end"), operator.attrgetter("checksums")
 
 
 def merge_trees(trees: list[Any], key: str = "", has_local: bool = True) -> Any:

@@ -16,6 +16,7 @@ import binascii
 import functools
 import itertools
 import math
+import operator
 import zlib
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, cast
@@ -118,8 +119,7 @@ class TableBuilder:
 
     def indices(self, pieces: list[PieceInfo]) -> list[int]:
         """The tensor index of each piece, adding the tensors seen for the first time."""
-        get = self.index.get
-        out = [get(p.name) for p in pieces]
+        out = list(map(self.index.get, map(operator.attrgetter("name"), pieces)))
         if None in out:
             out = [self.tensor(p.name, p.dtype, p.global_shape) if i is None else i for i, p in zip(out, pieces)]
         return cast("list[int]", out)

@@ -27,7 +27,7 @@ from .group import resolve
 from .manifest import (Manifest, decode_manifest, encode_values, is_shared, manifest_name, manifest_seq,
                        shared_location)
 from .plan import overlap
-from .reader import TensorReader, chunks_needed
+from .reader import TensorReader, chunks_needed, read_box
 from .state import FlatState, LoadPlanner, flatten
 from .storage import Storage
 from .storage import open as open_storage
@@ -404,7 +404,7 @@ def files_read(reads: list) -> set[str]:
     """The data files these reads touch: those with a chunk that meets a read's box."""
     out: set[str] = set()
     for r, chunks in zip(reads, chunks_needed(reads)):
-        box = r.box or ((0,) * len(r.entry.shape), tuple(r.entry.shape))
+        box = read_box(r)
         out |= {c.file for c in chunks if overlap(box, (tuple(c.offsets), tuple(c.shape))) is not None}
     return out
 

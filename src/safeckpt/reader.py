@@ -43,10 +43,15 @@ class _Job:
     whole: bool  # the runs are the whole chunk (decided once: it is asked per neighbour)
 
 
+def read_box(read: Read) -> Box:
+    """The box of the tensor a read fills: its own, or the whole tensor."""
+    return read.box or ((0,) * len(read.entry.shape), tuple(read.entry.shape))
+
+
 def chunks_needed(reads: list[Read]) -> list[list[Chunk]]:
-    """For each read, the chunks that meet its box (the whole tensor when it has none):
-    one batch per format-3 table (``TensorTable.meeting_many``), entry by entry otherwise."""
-    boxes = [r.box or ((0,) * len(shape), tuple(shape)) for r in reads for shape in (r.entry.shape,)]
+    """For each read, the chunks that meet its box (``read_box``): one batch per format-3
+    table (``TensorTable.meeting_many``), entry by entry otherwise."""
+    boxes = list(map(read_box, reads))
     out: list[list[Chunk]] = [[] for _ in reads]
     tables: dict[int, tuple[TensorTable, list[int]]] = {}
     for k, r in enumerate(reads):
@@ -98,8 +103,7 @@ class TensorReader:
                 read.result = fresh[key] = torch.empty(entry.shape, dtype=dtype)
             dest = read.dest if read.dest is not None else read.result
             assert dest is not None  # a fresh tensor was made just above
-            box = read.box or ((0,) * dest.dim(), tuple(dest.shape))
-            self._plan_read(read.name, chunks, dest, box, dtype, jobs, copies)
+            self._plan_read(read.name, chunks, dest, read_box(read), dtype, jobs, copies)
         if self.verify:
             self.check_headers({j.chunk.file for j in jobs})
         self._execute(jobs)

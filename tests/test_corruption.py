@@ -21,7 +21,7 @@ from typing import Callable
 import pytest
 
 import safeckpt
-from safeckpt.format.manifest import Manifest, decode_manifest, encode_manifest
+from safeckpt.format.manifest import Manifest, decode_manifest, editable, encode_manifest
 from save_child import make_state, make_template, state_mismatch
 
 KEY = "model.r"  # the tensor the data-level scenarios damage
@@ -52,6 +52,7 @@ def _rewrite(ckpt: Path, mutate: Callable[[Manifest], None]) -> None:
     so that only what ``mutate`` changed is wrong."""
     path = _manifest(ckpt)
     m = decode_manifest(path.read_bytes(), str(path))
+    m.tensors = editable(m.tensors)
     mutate(m)
     path.write_bytes(encode_manifest(m))
 

@@ -8,6 +8,7 @@ count it and ``restore()`` falls back past it to the older good step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import time
@@ -20,8 +21,8 @@ import torch
 
 import safeckpt
 from safeckpt.format.checksum import block_checksums
-from safeckpt.interop.imports import import_checkpoint, read_safetensors
-from safeckpt.format.manifest import frame
+from safeckpt.interop.export import import_checkpoint, read_safetensors
+from safeckpt.format.manifest import decode_manifest, editable, encode_manifest, frame
 from safeckpt.format.plan import PlanError, check_coverage
 
 # --------------------------------------------------------------------------- helpers
@@ -48,11 +49,21 @@ def _state() -> dict:
             "meta": {"tags": {"a", "b"}, "pair": (1, 2), "ids": {1: "x"}}}
 
 
+def as_format_1(ckpt: Path) -> Path:
+    """Re-encode the committed manifest as format 1 (one JSON entry per tensor and chunk),
+    whose reader every earlier checkpoint goes through; format 3's tables have their own
+    crafted cases in test_compact_manifest.py."""
+    (path,) = sorted(ckpt.glob("manifest-*.json"))
+    m = decode_manifest(path.read_bytes(), str(path))
+    path.write_bytes(encode_manifest(dataclasses.replace(m, version=1, tensors=editable(m.tensors))))
+    return ckpt
+
+
 @pytest.fixture
 def ckpt(tmp_path) -> Path:
     path = tmp_path / "ck"
     safeckpt.save(_state(), path)
-    return path
+    return as_format_1(path)
 
 
 def assert_refused(ckpt: Path, manifest: Path) -> None:
@@ -161,6 +172,18 @@ def test_a_crafted_manifest_is_a_corrupt_checkpoint(ckpt, case):
     assert_refused(ckpt, manifest)
 
 
+_FORMAT_1_ONLY = ("shape", "dtype", "chunk", "tensors")  # cases that edit format 1's per-tensor entries
+
+
+@pytest.mark.parametrize("case", [c for c in CRAFTED if not c.startswith(_FORMAT_1_ONLY)])
+def test_a_crafted_format_3_manifest_is_a_corrupt_checkpoint(tmp_path, case):
+    """The same hostile trees, values and fields in the manifest a save writes now."""
+    ckpt = tmp_path / "ck3"
+    safeckpt.save(_state(), ckpt)
+    manifest = craft(ckpt, CRAFTED[case])
+    assert_refused(ckpt, manifest)
+
+
 def test_restore_falls_back_past_crafted_checkpoints(tmp_path):
     """steps() and restore() skip a crafted newest step (deep JSON, deep tree, bad
     values) and restore the older good one."""
@@ -208,6 +231,7 @@ def test_a_mixed_strip_manifest_is_checked_in_bounded_memory_and_time(tmp_path):
     boxes = _strips(n, rows)
     ckpt = tmp_path / "ck"
     safeckpt.save({"w": torch.zeros(n, n, dtype=torch.uint8)}, ckpt)
+    as_format_1(ckpt)
 
     def many_chunks(body: dict) -> None:
         entry = body["tensors"]["w"]

@@ -41,8 +41,8 @@ RUN_ENV = {"SAFECKPT_TIMEOUT": "30", "DIST_WORKER_STEP_TIMEOUT": "60"}
 LAUNCH_TIMEOUT = 150.0
 
 SAVES_4 = ["replicated_save", "rows_save", "even_save", "dtensor_save_1d", "dtensor_save_2d", "fsdp_save",
-           "ranklocal_save", "differ", "raise", "disagree", "nonshared", "manager"]
-LOADS_3 = ["replicated_load", "rows_load3", "ranklocal_load3"]
+           "ranklocal_save", "differ", "raise", "disagree", "nonshared", "manager", "regions_save"]
+LOADS_3 = ["replicated_load", "rows_load3", "ranklocal_load3", "regions_load3"]
 LOADS_2 = ["rows_load2", "dtensor_load2", "fsdp_load2"]
 
 
@@ -166,6 +166,14 @@ def test_even_row_shards_save_and_load_on_same_ranks(four, root):
 def test_row_shards_load_as_uneven_column_shards_on_3_ranks(three):
     every_rank(three.results("rows_load3"), no_problems(),
                "W saved as 4 row shards, loaded as 3 uneven column shards (E: columns -> rows)")
+
+
+def test_small_shards_in_regions_reshard_onto_3_ranks(four, three):
+    """60 small tensors of mixed dtypes sharded over 4 ranks (each rank's pieces in one
+    region of its file, a tie and a strided view among them): loaded on 4, then on 3 as
+    row shards straddling the saved boxes and as column shards."""
+    every_rank(four.results("regions_save"), no_problems(), "small shards saved and loaded on 4 ranks")
+    every_rank(three.results("regions_load3"), no_problems(), "small shards resharded onto 3 ranks")
 
 
 def test_row_shards_load_as_other_row_shards_on_2_ranks(two):

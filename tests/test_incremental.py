@@ -349,7 +349,7 @@ def test_lora_saves_write_only_the_trainable_part(tmp_path):
 
     # the manifest: format 2, chunks of at most chunk_size, base chunks in step 1's file
     m = manifest(mgr.path(5))
-    assert m.version == 2 and m.block_size == CHUNK
+    assert m.version == 3 and m.block_size == CHUNK
     assert m.total_bytes == infos[5].bytes
     assert m.shared_bytes() == frozen_bytes  # every base chunk once, read from step 1
     for name, entry in m.tensors.items():
@@ -822,7 +822,7 @@ def test_a_non_incremental_continuation_keeps_shared_data(tmp_path):
     assert not differences(target, lora_state(3, dim=256))
     info = plain.save(4, lora_state(4, dim=256))
     assert info.shared_bytes == 0 and info.bytes >= nbytes(lora_state(4, dim=256))
-    assert manifest(plain.path(4)).version == 1
+    assert manifest(plain.path(4)).version == 3
     # retention deleted 1 and 2; 1 holds the base step 3 still reads
     assert plain.steps() == [3, 4]
     assert set(step_dirs(root)) == {step_folder(1), step_folder(3), step_folder(4)}

@@ -89,3 +89,36 @@ def test_rank_local_values_cannot_nest(tmp_path):
     with pytest.raises(safeckpt.UnsafeObjectError, match="nested"):
         safeckpt.save({"a": safeckpt.RankLocal({"b": safeckpt.RankLocal(1)})}, tmp_path / "ck")
     assert not (tmp_path / "ck").exists()
+
+
+def _batch(tensors: list[list[tuple[tuple[int, ...], tuple[int, ...]]]]):
+    """(tensor index, offsets, extents) arrays of boxes given per tensor."""
+    import numpy as np
+    rows = [(i, o, s) for i, boxes in enumerate(tensors) for o, s in boxes]
+    return (np.asarray([i for i, _, _ in rows], dtype=np.int64), np.asarray([o for _, o, _ in rows], dtype=np.int64),
+            np.asarray([s for _, _, s in rows], dtype=np.int64))
+
+
+def test_check_tilings_decides_many_tensors_at_once():
+    """Grids of every tensor in one batch; a non-grid tiling passes through the corner-sum
+    check; an overlap, a gap or a box outside names its tensor."""
+    from safeckpt.format.plan import check_tilings, grid_tensors
+    grid = [((r, c), (2, 3)) for r in (0, 2) for c in (0, 3)]
+    rows = [((r, 0), (1, 6)) for r in range(4)]
+    pinwheel = [((0, 0), (2, 1)), ((0, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 0), (1, 2)), ((1, 1), (1, 1))]
+    t, o, s = _batch([grid, rows, pinwheel])
+    assert grid_tensors(t, o, s, 3).tolist() == [True, True, False]
+    check_tilings(["g", "r", "p"], [(4, 6), (4, 6), (3, 3)], t, o, s)
+    shifted = grid[:3] + [((2, 2), (2, 3))]  # one cell moved left: overlap and a gap, volumes add up
+    t, o, s = _batch([grid, shifted])
+    with pytest.raises(PlanError, match="'bad'.*overlap"):
+        check_tilings(["ok", "bad"], [(4, 6), (4, 6)], t, o, s)
+    t, o, s = _batch([rows[:3]])
+    with pytest.raises(PlanError, match="cover 18 of 24"):
+        check_tilings(["gap"], [(4, 6)], t, o, s)
+    t, o, s = _batch([rows[:3] + [((3, 1), (1, 6))]])
+    with pytest.raises(PlanError, match="outside"):
+        check_tilings(["out"], [(4, 6)], t, o, s)
+    t, o, s = _batch([[((0, 0), (2, 6)), ((0, 0), (2, 6)), ((2, 0), (0, 6))]])  # the same box twice
+    with pytest.raises(PlanError):
+        check_tilings(["twice"], [(4, 6)], t, o, s)

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import safeckpt
+from safeckpt.format.manifest import decode_manifest
 from safeckpt.protocol import datafile
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.uint8,
@@ -64,13 +65,11 @@ def test_small_tensors_each_keep_their_own_checksum(tmp_path) -> None:
     """Corrupting one small tensor's bytes is reported for that tensor, not its neighbours."""
     state = many_small(50)
     safeckpt.save(state, str(tmp_path / "c"))
-    manifest = next((tmp_path / "c").glob("manifest-*.json")).read_text()
-    import json
-    body = json.loads(manifest[len('{"safeckpt":'):manifest.rindex(',"checksum"')])
-    chunk = body["tensors"]["t00010"]["chunks"][0]
+    path = next((tmp_path / "c").glob("manifest-*.json"))
+    (chunk,) = decode_manifest(path.read_bytes(), str(path)).tensors["t00010"].chunks
     (data,) = (tmp_path / "c").glob("data-*.safetensors")
     raw = bytearray(data.read_bytes())
-    raw[chunk["start"]] ^= 0xFF
+    raw[chunk.start] ^= 0xFF
     data.write_bytes(bytes(raw))
     report = safeckpt.verify(str(tmp_path / "c"))
     assert not report.ok and len(report.problems) == 1 and "'t00010'" in report.problems[0]

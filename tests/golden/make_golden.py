@@ -5,6 +5,9 @@ it writes; never regenerate an existing version (the point is that checkpoints w
 released code keep loading). ``v1`` was made by the code of commit 8990613 (format 1:
 ``safeckpt.save``), ``v2`` by the same code (format 2: an incremental
 ``CheckpointManager`` run of two steps whose second step shares chunks with the first).
+``v3`` (format 3, tensor tables) holds both: ``v3/plain`` the ``safeckpt.save`` of
+``golden_state()`` and ``v3/run`` the incremental run, made by the code that introduced
+format 3 (branch v3). It writes the folder of the version it writes, and never over one.
 
     PYTHONPATH=src python tests/golden/make_golden.py tests/golden
 
@@ -22,6 +25,7 @@ from pathlib import Path
 import torch
 
 import safeckpt
+from safeckpt.format.manifest import WRITE_VERSION
 
 CHUNK_SIZE = 64  # the incremental run's chunks: tiny, so the files stay a few KB
 
@@ -77,11 +81,24 @@ def incremental_states() -> list[tuple[int, dict]]:
     return states
 
 
-def make(out: Path) -> None:
-    safeckpt.save(golden_state(), str(out / "v1"), metadata={"made_by": "tests/golden/make_golden.py"})
-    with safeckpt.CheckpointManager(str(out / "v2"), incremental=True, chunk_size=CHUNK_SIZE) as mgr:
+def make_plain(path: Path) -> None:
+    safeckpt.save(golden_state(), str(path), metadata={"made_by": "tests/golden/make_golden.py"})
+
+
+def make_run(root: Path) -> None:
+    with safeckpt.CheckpointManager(str(root), incremental=True, chunk_size=CHUNK_SIZE) as mgr:
         for step, state in incremental_states():
             mgr.save(step, state, metrics={"loss": 1.0 / step})
+
+
+def make(out: Path) -> None:
+    """Write the golden checkpoints of the format version this code writes (``v1`` and
+    ``v2`` came from the code of their time), never over existing ones."""
+    folder = out / f"v{WRITE_VERSION}"
+    if folder.exists():
+        raise SystemExit(f"{folder} exists: golden checkpoints are never regenerated")
+    make_plain(folder / "plain")
+    make_run(folder / "run")
 
 
 if __name__ == "__main__":

@@ -547,6 +547,79 @@ def sc_replicated_load(ctx: Ctx) -> dict:
     return {"problems": compare(target, replicated_state())}
 
 
+REGION_DTYPES = ["float32", "bfloat16", "int16", "float64", "uint8", "complex64"]
+
+
+def region_full(i: int):
+    """Small tensor ``i`` of the region scenarios: 12 x (3 + i % 4), dtype by ``i``."""
+    import torch
+    t = torch.arange(12 * (3 + i % 4), dtype=torch.float64).reshape(12, 3 + i % 4) * (i + 1) - 7 * i
+    return t.to(getattr(torch, REGION_DTYPES[i % len(REGION_DTYPES)]))
+
+
+def region_state(rank: int, rows: list, cols: bool = False, empty: bool = False) -> dict:
+    """60 small tensors, each sharded by rows (``cols``: by columns of the same ranges
+    clipped to its width) over the ranks, so every rank's pieces sit in one small-tensor
+    region of its data file; ``tied`` names the same shard as ``r3``; ``view`` is a
+    strided view of a larger local tensor."""
+    import torch
+    from safeckpt.protocol.shards import Shard
+    r0, r1 = rows[rank]
+    state: dict = {}
+    for i in range(60):
+        full = region_full(i)
+        if cols:
+            c0, c1 = min(r0, full.shape[1]), min(r1, full.shape[1])
+            piece, offsets = full[:, c0:c1].clone(), [0, c0]
+        else:
+            piece, offsets = full[r0:r1].clone(), [r0, 0]
+        if empty:
+            piece = torch.zeros_like(piece)
+        state[f"r{i}"] = Shard(piece, list(full.shape), offsets)
+    state["tied"] = state["r3"]
+    base = torch.zeros(2 * 12, 8, dtype=torch.float32)
+    base[::2, 1:7:2] = 0 if empty else region_full(0)[:, :3].float()
+    state["view"] = base[::2, 1:7:2] if not empty else base[::2, 1:7:2].clone()
+    return state
+
+
+def _region_problems(state: dict, rank: int, rows: list, cols: bool = False) -> list[str]:
+    problems = []
+    r0, r1 = rows[rank]
+    for i in range(60):
+        full = region_full(i)
+        want = full[:, min(r0, full.shape[1]):min(r1, full.shape[1])] if cols else full[r0:r1]
+        problems += compare(state[f"r{i}"].local_tensor, want, f"r{i}")
+    problems += compare(state["tied"].local_tensor, state["r3"].local_tensor, "tied")
+    return problems + compare(state["view"], region_full(0)[:, :3].float(), "view")
+
+
+REGION_SAVE4 = [(0, 2), (2, 7), (7, 8), (8, 12)]   # 4 uneven row shards of each small tensor
+REGION_LOAD3 = [(0, 5), (5, 6), (6, 12)]           # on 3 ranks: boxes straddling the saved ones
+
+
+def sc_regions_save(ctx: Ctx) -> dict:
+    import safeckpt
+    path = ctx.root / "regions"
+    safeckpt.save(region_state(ctx.rank, REGION_SAVE4), str(path))
+    target = region_state(ctx.rank, REGION_SAVE4, empty=True)
+    safeckpt.load(target, str(path))
+    return {"problems": _region_problems(target, ctx.rank, REGION_SAVE4)}
+
+
+def sc_regions_load3(ctx: Ctx) -> dict:
+    """Saved as 4 row shards per tensor -> 3 other row shards, and 3 column shards."""
+    import safeckpt
+    rows = region_state(ctx.rank, REGION_LOAD3, empty=True)
+    safeckpt.load(rows, str(ctx.root / "regions"))
+    cols = region_state(ctx.rank, REGION_LOAD3, cols=True, empty=True)
+    cols.pop("view")
+    safeckpt.load(cols, str(ctx.root / "regions"), strict=False)
+    cols["view"] = rows["view"]
+    return {"problems": _region_problems(rows, ctx.rank, REGION_LOAD3)
+            + _region_problems(cols, ctx.rank, REGION_LOAD3, cols=True)}
+
+
 def sc_rows_load3(ctx: Ctx) -> dict:
     """4 row shards saved -> 3 uneven column shards of W, 3 row shards of E."""
     import safeckpt

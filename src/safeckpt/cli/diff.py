@@ -12,7 +12,9 @@ import torch
 from ..format import codec
 from ..format.folder import read_committed
 from ..errors import CheckpointError
-from ..interop.export import leaf_values, read_tensors
+from ..interop.export import leaf_values as leaf_values
+from ..interop.export import read_tensors
+from ..format.compact import TableEntry
 from ..format.manifest import Manifest, TensorEntry
 from ..storage import Storage
 from ._common import (CliError, compact, console, decode, jsonable, locate, print_json, say,
@@ -58,7 +60,7 @@ class Diff:
         return not (self.differ or self.changed or self.added or self.removed or self.values or self.corrupt)
 
 
-def _same_bytes(a: TensorEntry, b: TensorEntry, ma: Manifest, mb: Manifest) -> bool:
+def _same_bytes(a: TensorEntry | TableEntry, b: TensorEntry | TableEntry, ma: Manifest, mb: Manifest) -> bool:
     """Equal chunk layout and block checksums: the bytes are equal, nothing to read."""
     if ma.block_size != mb.block_size or len(a.chunks) != len(b.chunks):
         return False

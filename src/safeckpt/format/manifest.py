@@ -13,16 +13,20 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 from . import codec
 from .checksum import ALGORITHM, BLOCK_SIZE, checksum, is_checksum
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from .names import MANIFEST_RE, STEP_RE, is_shared, manifest_name, manifest_seq, root_path, shared_location  # noqa: F401
+from .records import Chunk, FileEntry, TensorEntry  # noqa: F401 - the manifest's parts
+from .compact import TableEntry, TensorTable, decode_table, from_entries
 from .plan import PlanError, check_coverage
 from .tensors import dtype_from_name, is_shape
 
-FORMAT_VERSION = 2  # 2: incremental manifests (files of sibling checkpoints, xxh3_128 chunks)
+FORMAT_VERSION = 3  # 2: incremental manifests (files of sibling checkpoints, xxh3_128 chunks); 3: tensor tables
+WRITE_VERSION = 3  # what a save writes: compact tensor tables (compact.py)
 _PREFIX = b'{"safeckpt":'
 _SUFFIX_START = b',"checksum":"' + ALGORITHM.encode() + b":"
 _SUFFIX_LEN = len(_SUFFIX_START) + 16 + len(b'"}\n')
@@ -49,41 +53,6 @@ def check_relpath(name: object, where: str, siblings: bool = False) -> str:
 
 
 @dataclass
-class FileEntry:
-    """One immutable file of the checkpoint."""
-
-    name: str
-    size: int
-    rank: int | None = None
-    header_size: int | None = None      # data files: bytes covered by header_checksum
-    header_checksum: str | None = None
-    checksum: str | None = None         # sealed foreign files: checksum of the whole file
-
-
-@dataclass
-class Chunk:
-    """A box of a logical tensor stored as one contiguous row-major byte range of a
-    file, with one checksum per ``block_size`` bytes."""
-
-    file: str
-    start: int
-    end: int
-    checksums: list[str]
-    offsets: list[int]
-    shape: list[int]
-
-
-@dataclass
-class TensorEntry:
-    """A logical tensor: dtype, global shape and the chunks that cover it."""
-
-    dtype: str
-    shape: list[int]
-    chunks: list[Chunk] = field(default_factory=list)
-    tied_to: str | None = None  # format 2: the tensor this one is tied to (same storage)
-
-
-@dataclass
 class DcpRecord:
     """How a torch.distributed.checkpoint save named its items: every flat key (DCP's
     fully qualified name) and its path in ``tree``; ``planner_data`` says whether the
@@ -104,14 +73,14 @@ class Manifest:
     created: float
     world_size: int
     files: dict[str, FileEntry]
-    tensors: dict[str, TensorEntry]
+    tensors: "Mapping[str, TensorEntry | TableEntry]"  # format 3 decodes into a TensorTable
     tree: Any
     step: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
     block_size: int = BLOCK_SIZE
     run_id: str | None = None  # the CheckpointManager run that wrote it (retention scope)
-    version: int = 1  # 2 only where needed, so older safeckpt versions read the rest
+    version: int = 1  # saves write WRITE_VERSION; seal keeps the version it found
     dcp: DcpRecord | None = None  # written by safeckpt.dcp.Writer
 
     @property
@@ -126,8 +95,21 @@ class Manifest:
 
     def shared_bytes(self) -> int:
         """Bytes of tensor data it shares with earlier checkpoints (each chunk once)."""
+        if isinstance(self.tensors, TensorTable):
+            return self.tensors.distinct_bytes([is_shared(n) for n in self.tensors.file_names])
         return sum(end - start for _, start, end in
                    {(c.file, c.start, c.end) for t in self.tensors.values() for c in t.chunks if is_shared(c.file)})
+
+    def chunks_in(self, file: str) -> list[tuple[str, Chunk]]:
+        """(tensor name, chunk) of every chunk stored in ``file``."""
+        if isinstance(self.tensors, TensorTable):
+            return self.tensors.chunks_in(file)
+        return [(name, c) for name, t in self.tensors.items() for c in t.chunks if c.file == file]
+
+
+def editable(tensors: "Mapping[str, TensorEntry | TableEntry]") -> dict[str, TensorEntry]:
+    """The tensors of a decoded manifest as entries that can be changed in place."""
+    return tensors.entries() if isinstance(tensors, TensorTable) else dict(tensors)  # type: ignore[arg-type]
 
 
 def _no_tensors(key: str, t: Any) -> Any:
@@ -151,7 +133,8 @@ def encode_body(m: Manifest) -> bytes:
         "world_size": m.world_size, "step": m.step, "block_size": m.block_size, "run_id": m.run_id,
         "metadata": encode_values(m.metadata, "metadata"), "metrics": encode_values(m.metrics, "metrics"),
         "files": [{k: v for k, v in vars(f).items() if v is not None} for f in m.files.values()],
-        "tensors": {name: {"dtype": t.dtype, "shape": t.shape, "chunks": [vars(c) for c in t.chunks],
+        "tensors": from_entries(m.tensors, list(m.files), m.block_size).encode() if m.version >= 3 else
+                   {name: {"dtype": t.dtype, "shape": t.shape, "chunks": [vars(c) for c in t.chunks],
                            **({"tied_to": t.tied_to} if t.tied_to else {})}
                     for name, t in m.tensors.items()},
         "tree": m.tree,
@@ -266,13 +249,10 @@ def _decode_chunk(raw: Any, name: str, shape: list[int], itemsize: int, files: d
     return c
 
 
-def _decode_body(body: dict, where: str) -> Manifest:
-    files = _decode_files(body["files"], where, body["format_version"])
-    block = body.get("block_size", BLOCK_SIZE)
-    _need(_is_int(block, 1), where, f"bad block_size {block!r}")
+def _decode_tensors(saved: Any, files: dict[str, FileEntry], block: int, where: str) -> dict[str, TensorEntry]:
+    """Formats 1 and 2: one JSON entry per tensor and chunk."""
     tensors: dict[str, TensorEntry] = {}
     itemsizes: dict[str, int] = {}  # per dtype name; messages below are built only on failure
-    saved = body["tensors"]
     for name, t in saved.items():
         dtype, shape = t["dtype"], t["shape"]
         itemsize = itemsizes.get(dtype) if type(dtype) is str else None
@@ -293,6 +273,15 @@ def _decode_body(body: dict, where: str) -> Manifest:
         if not (tied is None or (isinstance(tied, str) and tied in saved and tied != name)):
             raise CorruptCheckpointError(f"{where}: tensor {name!r}: tied to unknown tensor {tied!r}")
         tensors[name] = TensorEntry(dtype, shape, chunks, tied)
+    return tensors
+
+
+def _decode_body(body: dict, where: str) -> Manifest:
+    files = _decode_files(body["files"], where, body["format_version"])
+    block = body.get("block_size", BLOCK_SIZE)
+    _need(_is_int(block, 1), where, f"bad block_size {block!r}")
+    tensors = decode_table(body["tensors"], files, block, where) if body["format_version"] >= 3 else \
+        _decode_tensors(body["tensors"], files, block, where)
     step, world, run_id = body.get("step"), body["world_size"], body.get("run_id")
     _need(run_id is None or isinstance(run_id, str), where, f"bad run_id {run_id!r}")
     _need(step is None or _is_int(step), where, f"bad step {step!r}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 from typing import NamedTuple
 
+import numpy as np
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
@@ -74,15 +76,16 @@ def assign_writes(pieces_by_rank: list[list[PieceInfo]]) -> list[list[PieceInfo]
     bytes (largest first onto the least-loaded holder)."""
     if len(pieces_by_rank) == 1:  # one process writes everything it holds
         return [list(pieces_by_rank[0])]
-    holders: dict[tuple, list[int]] = {}
-    first: dict[tuple, PieceInfo] = {}
+    holders: dict[tuple, list] = {}  # distinct box -> [its first piece, the ranks that hold it...]
     meta: dict[str, PieceInfo] = {}
     out: list[list[PieceInfo]] = [[] for _ in pieces_by_rank]
     load = [0] * len(pieces_by_rank)
     for rank, pieces in enumerate(pieces_by_rank):
-        for p in pieces:
-            seen = meta.setdefault(p.name, p)
-            if (seen.kind, seen.dtype, seen.global_shape) != (p.kind, p.dtype, p.global_shape):
+        for p in pieces:  # the hot loop of a large job: a few dict operations per piece
+            seen = meta.get(p.name)
+            if seen is None:
+                meta[p.name] = seen = p
+            elif seen.global_shape != p.global_shape or seen.kind != p.kind or seen.dtype != p.dtype:
                 raise PlanError(
                     f"tensor {p.name!r}: rank {rank} has {p.kind} {p.dtype} {list(p.global_shape)}, "
                     f"another rank {seen.kind} {seen.dtype} {list(seen.global_shape)}")
@@ -91,27 +94,31 @@ def assign_writes(pieces_by_rank: list[list[PieceInfo]]) -> list[list[PieceInfo]
                 load[rank] += p.nbytes
                 continue
             key = (p.name, p.offsets, p.shape)
-            holders.setdefault(key, []).append(rank)
-            first.setdefault(key, p)
+            held = holders.get(key)
+            if held is None:
+                holders[key] = [p, rank]
+            else:
+                held.append(rank)
     _check_replicated(meta, holders, len(pieces_by_rank))
     contested = []
-    for key, ranks in holders.items():
-        if len(ranks) == 1:  # a shard only one rank holds: it writes it
-            out[ranks[0]].append(first[key])
-            load[ranks[0]] += first[key].nbytes
+    for key, held in holders.items():
+        if len(held) == 2:  # a shard only one rank holds: it writes it
+            out[held[1]].append(held[0])
+            load[held[1]] += held[0].nbytes
         else:
             contested.append(key)
-    for key in sorted(contested, key=lambda k: (-first[k].nbytes, k)):
-        rank = min(holders[key], key=lambda r: (load[r], r))
-        out[rank].append(first[key])
-        load[rank] += first[key].nbytes
+    for key in sorted(contested, key=lambda k: (-holders[k][0].nbytes, k)):
+        p, *ranks = holders[key]
+        rank = min(ranks, key=lambda r: (load[r], r))
+        out[rank].append(p)
+        load[rank] += p.nbytes
     return out
 
 
-def _check_replicated(meta: dict[str, PieceInfo], holders: dict[tuple, list[int]], world: int) -> None:
-    for (name, _, _), ranks in holders.items():
-        if meta[name].kind == "replicated" and len(ranks) != world:
-            missing = sorted(set(range(world)) - set(ranks))
+def _check_replicated(meta: dict[str, PieceInfo], holders: dict[tuple, list], world: int) -> None:
+    for (name, _, _), held in holders.items():
+        if len(held) != world + 1 and meta[name].kind == "replicated":
+            missing = sorted(set(range(world)) - set(held[1:]))
             raise PlanError(f"tensor {name!r} is a plain (replicated) tensor on some ranks but "
                             f"missing on rank(s) {missing}; wrap per-rank tensors in safeckpt.RankLocal")
 
@@ -127,6 +134,83 @@ def check_coverage(name: str, global_shape: tuple[int, ...], boxes: list[Box]) -
     corner = _tiling_defect(tuple(global_shape), boxes)
     if corner is not None:
         raise PlanError(f"tensor {name!r}: pieces overlap (and leave a gap as large) near {list(corner)}")
+
+
+def check_tilings(names: list[str], shapes: list[tuple[int, ...]], tensor: np.ndarray, offsets: np.ndarray,
+                  extents: np.ndarray) -> None:
+    """``check_coverage`` for many tensors of one rank (number of dimensions) at once:
+    row ``j`` of the ``(n, ndim)`` int64 arrays ``offsets``/``extents`` is a box of tensor
+    ``tensor[j]`` (an index into ``names``/``shapes``). Boxes inside the tensors, volumes
+    and grids (the layout of every sharding) are checked with numpy; a tensor whose boxes
+    are no grid goes through ``check_coverage``."""
+    n = len(names)
+    bound = np.asarray(shapes, dtype=np.int64).reshape(n, offsets.shape[1])[tensor]
+    outside = np.flatnonzero(((offsets < 0) | (extents < 0) | (offsets > bound) | (extents > bound - offsets)).any(axis=1))
+    if outside.size:
+        i = int(tensor[outside[0]])
+        raise PlanError(f"tensor {names[i]!r}: a piece lies outside the tensor's shape {list(shapes[i])}")
+    volumes = np.prod(extents, axis=1)  # each inside its tensor: no overflow
+    want = np.asarray([volume(s) for s in shapes], dtype=np.float64)
+    exact = np.zeros(n, dtype=np.int64)  # int64 sums; the float64 ones rule out wrap-around
+    np.add.at(exact, tensor, volumes)
+    approx = np.bincount(tensor, weights=volumes.astype(np.float64), minlength=n)
+    grid = grid_tensors(tensor, offsets, extents, n, bound)
+    for i in np.flatnonzero((approx != want) | (exact != want.astype(np.int64)) | ~grid).tolist():
+        rows = tensor == i
+        check_coverage(names[i], shapes[i], list(zip(map(tuple, offsets[rows].tolist()),
+                                                     map(tuple, extents[rows].tolist()))))
+
+
+def grid_tensors(tensor: np.ndarray, offsets: np.ndarray, extents: np.ndarray, n: int,
+                 bound: np.ndarray | None = None) -> np.ndarray:
+    """For each of ``n`` tensors, whether its non-empty boxes (the rows of ``offsets`` and
+    ``extents`` whose ``tensor`` is its index) are distinct cells of one grid with as many
+    cells as boxes: if their volumes add up to the tensor's and every box lies inside
+    it, they then tile it exactly. Vectorized over every tensor at once; a dimension that
+    every box spans whole (``bound``: each row's tensor shape) needs no sort."""
+    keep = (extents > 0).all(axis=1)
+    t, off, ext = tensor[keep], offsets[keep], extents[keep]
+    count = np.bincount(t, minlength=n)
+    ok = np.ones(n, dtype=bool)
+    cells = np.ones(n, dtype=np.float64)
+    cell = np.zeros(len(t), dtype=np.int64)
+    both = np.concatenate((t, t))
+    for d in range(off.shape[1]):
+        if bound is not None and not off[:, d].any() and (ext[:, d] == bound[keep, d]).all():
+            continue  # one interval: every box is cell 0 of this dimension
+        local, distinct = _ranks(both, np.concatenate((off[:, d], off[:, d] + ext[:, d])), n)
+        lo, hi = local[:len(t)], local[len(t):]
+        ok[t[hi - lo != 1]] = False
+        intervals = np.maximum(distinct - 1, 1)
+        cells *= intervals
+        cell = cell * intervals[t] + lo  # wraps only where cells exceed the count (refused)
+    ok &= cells == count
+    rows = ok[t]  # there cell < count <= len(t): (tensor, cell) is one int64 key
+    top = int(count.max()) + 1 if len(t) else 1
+    keys = np.sort(t[rows] * top + cell[rows])
+    ok[keys[1:][keys[1:] == keys[:-1]] // top] = False
+    return ok | (count == 0)
+
+
+def _ranks(tensor: np.ndarray, values: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each value's rank among the distinct values of its tensor, and how many distinct
+    values each of the ``n`` tensors has: one sort of a combined key where it fits."""
+    top = int(values.max()) + 1 if len(values) else 1
+    if n * top < 2**62:
+        distinct, rank = np.unique(tensor * top + values, return_inverse=True)
+        owner = distinct // top
+        first = np.searchsorted(owner, np.arange(n))
+        return rank.reshape(-1) - first[tensor], np.bincount(owner, minlength=n)
+    order = np.lexsort((values, tensor))
+    ts, vs = tensor[order], values[order]
+    new = np.ones(len(ts), dtype=bool)
+    new[1:] = (ts[1:] != ts[:-1]) | (vs[1:] != vs[:-1])
+    rank = np.cumsum(new) - 1
+    starts = np.ones(len(ts), dtype=bool)
+    starts[1:] = ts[1:] != ts[:-1]
+    local = np.empty(len(ts), dtype=np.int64)
+    local[order] = rank - np.maximum.accumulate(np.where(starts, rank, 0))
+    return local, np.bincount(ts[new], minlength=n)
 
 
 TILING_WORK = 64  # steps per box and dimension: grids need about 2, random guillotine cuts in 6-d under 10

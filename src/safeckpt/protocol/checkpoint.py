@@ -26,7 +26,7 @@ from ..errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from .group import resolve
 from ..format.manifest import (Manifest, decode_manifest, encode_values, manifest_name)
 from ..format.plan import overlap
-from .reader import TensorReader
+from .reader import TensorReader, chunks_needed, read_box
 from .state import FlatState, LoadPlanner, flatten
 from ..format.folder import read_committed
 from ..storage import Storage
@@ -311,9 +311,9 @@ def load_manifest(state: dict, storage: Storage, manifest: Manifest, group: Any,
 def files_read(reads: list) -> set[str]:
     """The data files these reads touch: those with a chunk that meets a read's box."""
     out: set[str] = set()
-    for r in reads:
-        box = r.box or ((0,) * len(r.entry.shape), tuple(r.entry.shape))
-        out |= {c.file for c in r.entry.chunks if overlap(box, (tuple(c.offsets), tuple(c.shape))) is not None}
+    for r, chunks in zip(reads, chunks_needed(reads)):
+        box = read_box(r)
+        out |= {c.file for c in chunks if overlap(box, (tuple(c.offsets), tuple(c.shape))) is not None}
     return out
 
 

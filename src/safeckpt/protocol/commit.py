@@ -15,9 +15,13 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, cast
+
+import numpy as np
 
 from ..errors import CleanupWarning, warn
 from ..format.checksum import BLOCK_SIZE, checksum
@@ -28,9 +32,10 @@ from .incremental import ChunkDigest, Source, Stored, chunk_key, digest_pieces, 
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError,
                      UnsupportedFormatError)
 from .group import SingleGroup, TorchGroup
-from ..format.manifest import (Chunk, FileEntry, Manifest, TensorEntry, encode_manifest, is_shared, manifest_name,
+from ..format.compact import TableBuilder
+from ..format.manifest import (WRITE_VERSION, Chunk, FileEntry, Manifest, encode_manifest, is_shared, manifest_name,
                        manifest_seq)
-from ..format.plan import PieceInfo, PlanError, assign_writes, check_coverage
+from ..format.plan import PieceInfo, PlanError, assign_writes, check_tilings
 from .state import FlatState
 from ..storage import Storage
 
@@ -182,7 +187,7 @@ class SaveRun:
         _check_agreement(intents)
         self.tree = merge_trees([i.tree for i in intents], has_local=any(i.has_local for i in intents))
         per_rank = assign_writes([i.pieces for i in intents])
-        _check_shards(intents)
+        _check_shards(per_rank)
         self.old, max_seq = self.existing(self.storage)
         refuse_existing(self.storage, self.old, max_seq, self.overwrite)
         if self.chunk_size is not None and self.base is not None:
@@ -271,34 +276,37 @@ class SaveRun:
         return (abort_summary(self.storage.url, errors), errors, False)
 
     def _build_manifest(self, intents: list[Intent], reports: list[Report], mine: Assignment) -> Manifest:
-        tensors: dict[str, TensorEntry] = {}
+        """The manifest (format 3): its tensor table filled straight from the reports."""
+        table = TableBuilder()
         files = {rep.file.name: rep.file for rep in reports if rep.file is not None}
         incremental = self.chunk_size is not None
         if incremental:
-            self._add_chunks(intents, reports, files, tensors)
+            self._add_chunks(intents, reports, files, table)
         else:
-            self._add_pieces(intents, reports, tensors)
+            self._add_pieces(intents, reports, table)
         for intent in intents:
             for alias, first in intent.aliases.items():
-                tensors[alias] = dataclasses.replace(tensors[first], tied_to=first) if incremental else tensors[first]
+                table.alias(alias, first)
+        block = cast(int, self.chunk_size) if incremental else BLOCK_SIZE
         return Manifest(save_id=mine.save_id, seq=mine.seq, created=time.time(),
-                        world_size=len(intents), files=files, tensors=tensors, tree=self.tree,
-                        step=self.step, metadata=self.metadata, metrics=self.metrics, run_id=self.run_id,
-                        block_size=cast(int, self.chunk_size) if incremental else BLOCK_SIZE, version=2 if incremental else 1)
+                        world_size=len(intents), files=files, tensors=table.build(list(files), block),
+                        tree=self.tree, step=self.step, metadata=self.metadata, metrics=self.metrics,
+                        run_id=self.run_id, block_size=block, version=WRITE_VERSION)
 
     @staticmethod
-    def _add_pieces(intents: list[Intent], reports: list[Report], tensors: dict[str, TensorEntry]) -> None:
+    def _add_pieces(intents: list[Intent], reports: list[Report], table: TableBuilder) -> None:
         """Every piece a rank wrote is one chunk."""
         for intent, rep in zip(intents, reports):
             infos = {p.name: p for p in intent.pieces}  # this rank's boxes
-            for w in rep.written:  # written pieces imply a file
-                info = infos[w.name]
-                entry = tensors.setdefault(w.name, TensorEntry(info.dtype, list(info.global_shape)))
-                entry.chunks.append(Chunk(cast(FileEntry, rep.file).name, w.start, w.end, w.checksums,
-                                          list(info.offsets), list(info.shape)))
+            if rep.file is None:  # a rank that wrote nothing
+                continue
+            written = rep.written
+            pieces = list(map(infos.__getitem__, map(_NAME, written)))
+            table.chunks(rep.file.name, table.indices(pieces), list(map(_START, written)), list(map(_END, written)),
+                         list(map(_CHECKSUMS, written)), list(map(_OFFSETS, pieces)), list(map(_SHAPE, pieces)))
 
     def _add_chunks(self, intents: list[Intent], reports: list[Report], files: dict[str, FileEntry],
-                    tensors: dict[str, TensorEntry]) -> None:
+                    table: TableBuilder) -> None:
         """Incremental saves: every chunk, written now or found in an earlier checkpoint."""
         written: dict[tuple[int, int], Chunk] = {}
         for rank, rep in enumerate(reports):
@@ -316,8 +324,8 @@ class SaveRun:
                     else:
                         held = written[source]
                 info = infos[d.name]
-                entry = tensors.setdefault(d.name, TensorEntry(info.dtype, list(info.global_shape)))
-                entry.chunks.append(dataclasses.replace(held, offsets=list(d.offsets), shape=list(d.shape)))
+                table.chunk(table.tensor(d.name, info.dtype, info.global_shape), held.file, held.start, held.end,
+                            held.checksums, d.offsets, d.shape)
 
     def _check_shared(self, manifest: Manifest) -> None:
         """Files shared with earlier checkpoints must still be there as they were listed."""
@@ -437,16 +445,28 @@ def _check_agreement(intents: list[Intent]) -> None:
                 f"rank {rank} step {intent.step} to {intent.url} (did a rank resume from another checkpoint?)")
 
 
-def _check_shards(intents: list[Intent]) -> None:
-    boxes: dict[str, set] = {}
-    shapes: dict[str, tuple] = {}
-    for intent in intents:
-        for p in intent.pieces:
-            if p.kind == "shard":
-                boxes.setdefault(p.name, set()).add((p.offsets, p.shape))
-                shapes[p.name] = p.global_shape
-    for name, found in boxes.items():
-        check_coverage(name, shapes[name], sorted(found))
+def _check_shards(per_rank: list[list[PieceInfo]]) -> None:
+    """The boxes of every sharded tensor tile it. ``per_rank`` is ``assign_writes``'s
+    answer, which holds each distinct box once; checked in one batch per number of
+    dimensions (``plan.check_tilings``)."""
+    pieces = [p for pieces in per_rank for p in pieces if p.kind == "shard"]
+    ranks = set(map(len, map(_GLOBAL_SHAPE, pieces)))
+    by_rank = {k: pieces for k in ranks} if len(ranks) == 1 else \
+        {k: [p for p in pieces if len(p.global_shape) == k] for k in ranks}
+    for k, batch in by_rank.items():  # C-level maps: this runs once per piece of the job
+        names = list(map(_NAME, batch))
+        shapes = dict(zip(names, map(_GLOBAL_SHAPE, batch)))  # one per tensor, in first-seen order
+        index = {name: i for i, name in enumerate(shapes)}
+        tensor = np.fromiter(map(index.__getitem__, names), np.int64, len(names))
+        offsets = np.fromiter(itertools.chain.from_iterable(map(_OFFSETS, batch)), np.int64, len(batch) * k)
+        extents = np.fromiter(itertools.chain.from_iterable(map(_SHAPE, batch)), np.int64, len(batch) * k)
+        check_tilings(list(shapes), list(shapes.values()), tensor, offsets.reshape(len(batch), k),
+                      extents.reshape(len(batch), k))
+
+
+_NAME, _GLOBAL_SHAPE = operator.attrgetter("name"), operator.attrgetter("global_shape")
+_OFFSETS, _SHAPE = operator.attrgetter("offsets"), operator.attrgetter("shape")
+_START, _END, _CHECKSUMS = operator.attrgetter("start"), operator.attrgetter("end"), operator.attrgetter("checksums")
 
 
 def merge_trees(trees: list[Any], key: str = "", has_local: bool = True) -> Any:

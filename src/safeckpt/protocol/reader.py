@@ -12,13 +12,14 @@ from __future__ import annotations
 import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
 from ..format.checksum import checksum, file_checksum, matches
 from .datafile import read_header_length
 from ..errors import CorruptCheckpointError
+from ..format.compact import TableEntry, TensorTable
 from ..format.manifest import Chunk, Manifest
 from ..format.plan import Box, byte_runs, overlap, volume
 from .state import Read
@@ -40,6 +41,29 @@ class _Job:
     runs: list[tuple[int, int]]
     out: memoryview
     whole: bool  # the runs are the whole chunk (decided once: it is asked per neighbour)
+
+
+def read_box(read: Read) -> Box:
+    """The box of the tensor a read fills: its own, or the whole tensor."""
+    return read.box or ((0,) * len(read.entry.shape), tuple(read.entry.shape))
+
+
+def chunks_needed(reads: list[Read]) -> list[list[Chunk]]:
+    """For each read, the chunks that meet its box (``read_box``): one batch per format-3
+    table (``TensorTable.meeting_many``), entry by entry otherwise."""
+    boxes = list(map(read_box, reads))
+    out: list[list[Chunk]] = [[] for _ in reads]
+    tables: dict[int, tuple[TensorTable, list[int]]] = {}
+    for k, r in enumerate(reads):
+        if isinstance(r.entry, TableEntry):
+            tables.setdefault(id(r.entry.table), (r.entry.table, []))[1].append(k)
+        else:
+            out[k] = r.entry.meeting(boxes[k])
+    for table, ks in tables.values():
+        found = table.meeting_many([cast(TableEntry, reads[k].entry).i for k in ks], [boxes[k] for k in ks])
+        for k, chunks in zip(ks, found):
+            out[k] = chunks
+    return out
 
 
 def _relative(inner: Box, outer_offsets: tuple[int, ...]) -> Box:
@@ -65,7 +89,7 @@ class TensorReader:
         jobs: list[_Job] = []
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         fresh: dict[tuple, torch.Tensor] = {}
-        for read in reads:
+        for read, chunks in zip(reads, chunks_needed(reads)):
             entry = read.entry
             dtype = dtype_from_name(entry.dtype, read.name)
             if read.dest is None:
@@ -79,8 +103,7 @@ class TensorReader:
                 read.result = fresh[key] = torch.empty(entry.shape, dtype=dtype)
             dest = read.dest if read.dest is not None else read.result
             assert dest is not None  # a fresh tensor was made just above
-            box = read.box or ((0,) * dest.dim(), tuple(dest.shape))
-            self._plan_read(read.name, entry.chunks, dest, box, dtype, jobs, copies)
+            self._plan_read(read.name, chunks, dest, read_box(read), dtype, jobs, copies)
         if self.verify:
             self.check_headers({j.chunk.file for j in jobs})
         self._execute(jobs)
@@ -90,6 +113,8 @@ class TensorReader:
 
     def _plan_read(self, name: str, chunks: list[Chunk], dest: torch.Tensor, box: Box,
                    dtype: torch.dtype, jobs: list[_Job], copies: list) -> None:
+        """Jobs (and copies) that fill ``box`` of the tensor from ``chunks``: those that
+        meet the box (``meeting``), or all of them."""
         if (len(chunks) == 1 and dest.is_cpu and dest.dtype == dtype and dest.is_contiguous()
                 and tuple(chunks[0].shape) == box[1] == tuple(dest.shape) and not any(box[0])):
             chunk = chunks[0]  # the common case: one whole chunk straight into its tensor
@@ -229,11 +254,10 @@ class TensorReader:
         problems = []
         checks: list[Callable[[], Any]] = [lambda: self.check_headers({name})]
         seen = set()
-        for tname, entry in self.manifest.tensors.items():
-            for c in entry.chunks:
-                if c.file == name and (c.start, c.end) not in seen:
-                    seen.add((c.start, c.end))
-                    checks.append(functools.partial(self._verify_chunk, tname, c))
+        for tname, c in self.manifest.chunks_in(name):
+            if (c.start, c.end) not in seen:
+                seen.add((c.start, c.end))
+                checks.append(functools.partial(self._verify_chunk, tname, c))
         for check in checks:
             try:
                 check()

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..format import codec
 from ..errors import StateMismatchError, UnsafeObjectError
+from ..format.compact import TableEntry
 from ..format.manifest import TensorEntry
 from ..format.plan import Box, PieceInfo
 from .shards import RankLocal, Shard, dtensor_box, is_dtensor, is_sharded_tensor, sharded_tensor_box
@@ -128,7 +130,7 @@ class Read:
     """Fill ``dest`` (in place; it holds ``box`` of the tensor) or a new full tensor."""
 
     name: str
-    entry: TensorEntry
+    entry: TensorEntry | TableEntry
     dest: torch.Tensor | None
     box: Box | None = None
     result: torch.Tensor | None = None
@@ -163,7 +165,7 @@ class LoadPlanner:
     match), ``"object"`` (the state of another stateful object such as an optimizer:
     the checkpoint's structure wins, the object's ``load_state_dict`` validates it)."""
 
-    def __init__(self, tensors: dict[str, TensorEntry], strict: bool, allow_pickle: bool,
+    def __init__(self, tensors: Mapping[str, TensorEntry | TableEntry], strict: bool, allow_pickle: bool,
                  rank: int = 0, world_size: int = 1) -> None:
         self.tensors = tensors
         self.strict = strict
@@ -244,7 +246,7 @@ class LoadPlanner:
             return target
         return build
 
-    def _entry(self, node: dict, key: str) -> TensorEntry | None:
+    def _entry(self, node: dict, key: str) -> TensorEntry | TableEntry | None:
         entry = self.tensors.get(node["$tensor"])
         if entry is None:
             self._report(key, f"the checkpoint's tree names tensor {node['$tensor']!r} but has no data for it")

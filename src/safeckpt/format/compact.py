@@ -1,0 +1,573 @@
+"""Format 3's tensor tables: every tensor and chunk of a manifest as columns of integers.
+
+A manifest of a job with millions of pieces must stay small and quick to read: in format
+3 the ``tensors`` field holds the names once, a dtype and a checksum-algorithm table,
+and the rest as columns of little-endian int64 (deflated, base64 in the JSON) plus the
+raw block digests. Decoding checks every rule of docs/format.md §6.2 over numpy arrays
+(never one Python object per piece); ``TensorTable`` then hands out cheap per-tensor
+views (``TableEntry``) that build ``Chunk`` objects only for the chunks a caller asks
+for, so a rank plans its load from the chunks that meet its box.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import itertools
+import math
+import operator
+import zlib
+from collections.abc import Iterator, Mapping
+from typing import Any, cast
+
+import numpy as np
+
+from ..errors import CorruptCheckpointError
+from .plan import Box, PieceInfo, PlanError, check_tilings
+from .records import Chunk, TensorEntry
+from .tensors import MAX_DIMS, dtype_from_name
+
+
+ALGORITHM_WIDTH = {"xxh3_64": 8, "xxh3_128": 16}  # digest bytes per block checksum
+TENSOR_COLUMNS = ("dtype", "ndim", "chunks", "tied")  # one value per tensor
+CHUNK_COLUMNS = ("file", "start", "length", "algorithm")  # one value per chunk
+_LIMIT = 1 << 62  # no count, offset or size of a valid manifest comes near it
+
+
+def pack(values: np.ndarray | list[int]) -> str:
+    """A column as stored: little-endian int64, deflated, base64."""
+    raw = np.asarray(values, dtype="<i8").tobytes()
+    return base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
+
+
+def unpack(text: Any, count: int, where: str, what: str) -> np.ndarray:
+    """Inverse of ``pack``, for a column that must hold exactly ``count`` values; it never
+    inflates more than that (a crafted column cannot blow up memory)."""
+    try:
+        if not isinstance(text, str):
+            raise ValueError("not a string")
+        inflater = zlib.decompressobj()
+        raw = inflater.decompress(base64.b64decode(text, validate=True), count * 8 + 1)
+        complete = inflater.eof and not inflater.unconsumed_tail
+    except (ValueError, binascii.Error, zlib.error) as exc:
+        raise CorruptCheckpointError(f"{where}: tensor table column {what!r} is garbled ({exc})") from exc
+    if len(raw) != count * 8 or not complete:
+        raise CorruptCheckpointError(
+            f"{where}: tensor table column {what!r} holds {len(raw) // 8}{'+' if not complete else ''} values, "
+            f"not {count} (truncated or altered)")
+    return np.frombuffer(raw, dtype="<i8").astype(np.int64, copy=False)
+
+
+def _need(cond: Any, where: str, what: str) -> None:
+    if not cond:
+        raise CorruptCheckpointError(f"{where}: tensor table: {what}")
+
+
+def _total(a: np.ndarray, where: str, what: str) -> int:
+    """The sum of a column of counts, each in [0, 2^62) (a crafted one cannot overflow it)."""
+    _need(a.size == 0 or (a.min() >= 0 and a.max() < _LIMIT), where, f"bad {what}")
+    total = float(a.sum(dtype=np.float64))
+    _need(total < _LIMIT, where, f"bad {what}")
+    return int(a.sum())
+
+
+def _segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated ranges ``[starts[i], starts[i] + lengths[i])``, vectorized."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    base = np.repeat(starts - (ends - lengths), lengths)
+    return base + np.arange(total, dtype=np.int64)
+
+
+class TableBuilder:
+    """Collects tensors and their chunks (in any order) into a ``TensorTable``: what a
+    writer fills from its plan, with no per-tensor dataclass. Chunks come in batches of
+    one file (``chunks``), so the per-piece work is a few list operations."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.index: dict[str, int] = {}
+        self.dtypes: list[str] = []
+        self.t_dtype: list[int] = []
+        self.t_shape: list[Any] = []
+        self.t_tied: list[str | None] = []
+        self.c_tensor: list[int] = []
+        self.c_file: list[tuple[str, int]] = []  # (file, how many chunks in a row)
+        self.c_start: list[int] = []
+        self.c_end: list[int] = []
+        self.c_sums: list[list[str]] = []
+        self.c_offsets: list[Any] = []
+        self.c_shape: list[Any] = []
+        self.aliases: list[tuple[int, int]] = []  # (tied tensor, the tensor it is tied to)
+
+    def tensor(self, name: str, dtype: str, shape: Any, tied_to: str | None = None) -> int:
+        """The index of tensor ``name``, added on first sight."""
+        i = self.index.get(name)
+        if i is None:
+            i = self.index[name] = len(self.names)
+            self.names.append(name)
+            if dtype not in self.dtypes:
+                self.dtypes.append(dtype)
+            self.t_dtype.append(self.dtypes.index(dtype))
+            self.t_shape.append(shape)
+            self.t_tied.append(tied_to)
+        return i
+
+    def indices(self, pieces: list[PieceInfo]) -> list[int]:
+        """The tensor index of each piece, adding the tensors seen for the first time."""
+        out = list(map(self.index.get, map(operator.attrgetter("name"), pieces)))
+        if None in out:
+            out = [self.tensor(p.name, p.dtype, p.global_shape) if i is None else i for i, p in zip(out, pieces)]
+        return cast("list[int]", out)
+
+    def chunks(self, file: str, tensors: list[int], starts: list[int], ends: list[int],
+               checksums: list[list[str]], offsets: list[Any], shapes: list[Any]) -> None:
+        """Chunks of one file: tensor index, byte range, block checksums and box of each."""
+        self.c_tensor += tensors
+        self.c_file.append((file, len(tensors)))
+        self.c_start += starts
+        self.c_end += ends
+        self.c_sums += checksums
+        self.c_offsets += offsets
+        self.c_shape += shapes
+
+    def chunk(self, tensor: int, file: str, start: int, end: int, checksums: list[str],
+              offsets: Any, shape: Any) -> None:
+        self.chunks(file, [tensor], [start], [end], [checksums], [offsets], [shape])
+
+    def alias(self, name: str, first: str) -> None:
+        """``name`` is tied to ``first`` (the same tensor): its own entry, the same chunks
+        (copied in ``build``). Every rank of a sharded tie reports it; the first counts."""
+        if name not in self.index:
+            src = self.index[first]
+            self.aliases.append((self.tensor(name, self.dtypes[self.t_dtype[src]], self.t_shape[src], first), src))
+
+    def _copy_aliased(self) -> None:
+        """Give every alias the chunks of its tensor (one pass over the chunks)."""
+        sources = {src for _, src in self.aliases}
+        files = [f for f, n in self.c_file for _ in range(n)]
+        rows: dict[int, list[int]] = {}
+        for j, t in enumerate(self.c_tensor):
+            if t in sources:
+                rows.setdefault(t, []).append(j)
+        for alias, src in self.aliases:
+            for j in rows.get(src, []):
+                self.chunk(alias, files[j], self.c_start[j], self.c_end[j], self.c_sums[j], self.c_offsets[j],
+                           self.c_shape[j])
+        self.aliases = []
+
+    def build(self, file_names: list[str], block_size: int) -> "TensorTable":
+        """The table, its chunks naming files by their position in ``file_names`` (the
+        manifest's ``files``)."""
+        if self.aliases:
+            self._copy_aliased()
+        file_index = {n: i for i, n in enumerate(file_names)}
+        tensor = np.asarray(self.c_tensor, dtype=np.int64)
+        order = np.argsort(tensor, kind="stable")
+        counts = np.bincount(tensor, minlength=len(self.names)).astype(np.int64)
+        c_file = np.repeat(np.asarray([file_index[f] for f, _ in self.c_file], dtype=np.int64),
+                           np.asarray([n for _, n in self.c_file], dtype=np.int64))
+        algorithms, c_alg, digests = _digests(self.c_sums, order)
+        starts = np.asarray(self.c_start, dtype=np.int64)
+        ndim = np.asarray([len(s) for s in self.t_shape], dtype=np.int64)
+        tied = [-1 if t is None else self.index[t] for t in self.t_tied]
+        c_ndim = ndim[tensor]
+        return TensorTable(
+            self.names, self.dtypes, algorithms, list(file_names), block_size,
+            t_dtype=np.asarray(self.t_dtype, dtype=np.int64), t_ndim=ndim, t_chunks=counts,
+            t_tied=np.asarray(tied, dtype=np.int64),
+            shape=np.fromiter(itertools.chain.from_iterable(self.t_shape), dtype=np.int64, count=int(ndim.sum())),
+            c_file=c_file[order], c_start=starts[order],
+            c_length=(np.asarray(self.c_end, dtype=np.int64) - starts)[order], c_alg=c_alg,
+            offsets=_ragged(self.c_offsets, c_ndim, order), box=_ragged(self.c_shape, c_ndim, order),
+            digests=digests)
+
+
+def _ragged(rows: list[Any], lengths: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """``rows`` (sequences of ``lengths[i]`` ints) flattened in ``order``."""
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+    if len(rows) and (lengths == lengths[0]).all():  # one rank of tensors: a reshape
+        return flat.reshape(len(rows), int(lengths[0]))[order].ravel()
+    at = np.concatenate(([0], np.cumsum(lengths)))[:-1]
+    return flat[_segments(at[order], lengths[order])]
+
+
+def _digests(sums: list[list[str]], order: np.ndarray) -> tuple[list[str], np.ndarray, bytes]:
+    """The algorithm table, each chunk's algorithm and the raw digests, in ``order``."""
+    flat = list(itertools.chain.from_iterable(sums))
+    for alg, width in ALGORITHM_WIDTH.items():  # the common case: one checksum per chunk, one algorithm
+        prefix = alg + ":"
+        if len(flat) == len(sums) and set(map(len, flat)) == {len(prefix) + 2 * width} and \
+                all(map(str.startswith, flat, itertools.repeat(prefix))):
+            raw = np.frombuffer(bytes.fromhex("".join(flat).replace(prefix, "")), dtype=np.uint8)
+            return [alg], np.zeros(len(sums), dtype=np.int64), raw.reshape(len(sums), width)[order].tobytes()
+    algorithms: list[str] = []
+    c_alg, hexes = [], []
+    for chunk_sums in (sums[i] for i in order.tolist()):
+        alg = chunk_sums[0].partition(":")[0]
+        if alg not in algorithms:
+            algorithms.append(alg)
+        c_alg.append(algorithms.index(alg))
+        for s in chunk_sums:
+            a, _, digits = s.partition(":")
+            if a != alg:
+                raise ValueError(f"a chunk mixes checksum algorithms ({alg}, {a})")
+            hexes.append(digits)
+    return algorithms, np.asarray(c_alg, dtype=np.int64), bytes.fromhex("".join(hexes))
+
+
+def from_entries(tensors: Mapping[str, "TensorEntry | TableEntry"], file_names: list[str], block_size: int) -> "TensorTable":
+    """The table of a manifest built as per-tensor entries (seal, DCP, export, tests), or
+    a decoded table whose manifest's file list changed (a seal adds files)."""
+    if isinstance(tensors, TensorTable):
+        return tensors.with_files(file_names)
+    builder = TableBuilder()
+    for name, t in tensors.items():
+        i = builder.tensor(name, t.dtype, t.shape, t.tied_to)
+        for c in t.chunks:
+            builder.chunk(i, c.file, c.start, c.end, c.checksums, c.offsets, c.shape)
+    return builder.build(file_names, block_size)
+
+
+class TensorTable(Mapping[str, "TableEntry"]):
+    """The decoded tensor table: name -> ``TableEntry``, backed by numpy columns.
+
+    Tensor ``i``'s shape is ``shape[shape_at[i]:shape_at[i+1]]``; its chunks are rows
+    ``first[i]:first[i+1]``; chunk ``j``'s box is ``offsets``/``box`` at
+    ``[dim_at[j], dim_at[j+1])`` and its digests are ``digests[digest_at[j]:digest_at[j+1]]``."""
+
+    def __init__(self, names: list[str], dtypes: list[str], algorithms: list[str], file_names: list[str],
+                 block_size: int, *, t_dtype: np.ndarray, t_ndim: np.ndarray, t_chunks: np.ndarray,
+                 t_tied: np.ndarray, shape: np.ndarray, c_file: np.ndarray, c_start: np.ndarray,
+                 c_length: np.ndarray, c_alg: np.ndarray, offsets: np.ndarray, box: np.ndarray,
+                 digests: bytes) -> None:
+        self.names, self.dtypes, self.algorithms = names, dtypes, algorithms
+        self.file_names, self.block_size = file_names, block_size
+        self.t_dtype, self.t_ndim, self.t_chunks, self.t_tied = t_dtype, t_ndim, t_chunks, t_tied
+        self.shape, self.c_file, self.c_start, self.c_length, self.c_alg = shape, c_file, c_start, c_length, c_alg
+        self.offsets, self.box, self.digests = offsets, box, digests
+        self.index = {n: i for i, n in enumerate(names)}
+        self.first = np.concatenate(([0], np.cumsum(t_chunks))).astype(np.int64)
+        self.shape_at = np.concatenate(([0], np.cumsum(t_ndim))).astype(np.int64)
+        self.c_tensor = np.repeat(np.arange(len(names), dtype=np.int64), t_chunks)
+        self.c_ndim = t_ndim[self.c_tensor]
+        self.dim_at = np.concatenate(([0], np.cumsum(self.c_ndim))).astype(np.int64)
+        self.c_sums = np.maximum(1, -(-c_length // block_size))
+        width = np.asarray([ALGORITHM_WIDTH.get(a, 0) for a in algorithms] or [0], dtype=np.int64)
+        self.digest_at = np.concatenate(([0], np.cumsum(self.c_sums * width[c_alg]))).astype(np.int64)
+        # per-tensor values as Python lists: a lookup per loaded tensor must not go through numpy
+        self._first, self._shape_at, self._tied = self.first.tolist(), self.shape_at.tolist(), t_tied.tolist()
+        self._dtype = [dtypes[k] for k in t_dtype.tolist()]
+        flat = shape.tolist()
+        self._shape = [flat[a:b] for a, b in zip(self._shape_at, self._shape_at[1:])]
+
+    # -- Mapping ---------------------------------------------------------------------
+    def __getitem__(self, name: str) -> "TableEntry":
+        return TableEntry(self, self.index[name])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    # -- per-tensor views ------------------------------------------------------------
+    def chunks_at(self, rows: "np.ndarray | list[int]") -> list["Chunk"]:
+        """Chunk rows ``rows`` as ``Chunk`` objects, built in one batch (each column
+        gathered with numpy, then turned into Python values once)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if not len(rows):
+            return []
+        files, starts = self.c_file[rows].tolist(), self.c_start[rows].tolist()
+        lengths, algs = self.c_length[rows].tolist(), self.c_alg[rows].tolist()
+        ndim = self.c_ndim[rows]
+        dims = _segments(self.dim_at[rows], ndim)
+        offsets, boxes, ndims = self.offsets[dims].tolist(), self.box[dims].tolist(), ndim.tolist()
+        lo, hi = self.digest_at[rows].tolist(), self.digest_at[rows + 1].tolist()
+        names, digests, algorithms = self.file_names, self.digests, self.algorithms
+        out, d = [], 0
+        for k in range(len(rows)):
+            alg = algorithms[algs[k]]
+            width = ALGORITHM_WIDTH[alg]
+            sums = [f"{alg}:{digests[p:p + width].hex()}" for p in range(lo[k], hi[k], width)]
+            n = ndims[k]
+            out.append(Chunk(names[files[k]], starts[k], starts[k] + lengths[k], sums, offsets[d:d + n],
+                             boxes[d:d + n]))
+            d += n
+        return out
+
+    def meeting_many(self, tensors: list[int], boxes: list[Box]) -> list[list["Chunk"]]:
+        """For each tensor ``tensors[k]``, its chunks whose boxes meet ``boxes[k]`` (every
+        chunk of a tensor of one chunk: the caller's planning checks that one), built in
+        one batch."""
+        rows: list[int] = []
+        counts: list[int] = []
+        first = self._first
+        for i, box in zip(tensors, boxes):
+            lo, hi = first[i], first[i + 1]
+            if hi - lo <= 1:
+                rows += range(lo, hi)
+                counts.append(hi - lo)
+                continue
+            found = self._meeting_rows(i, lo, hi, box)
+            rows += found
+            counts.append(len(found))
+        chunks = self.chunks_at(rows)
+        out, at = [], 0
+        for n in counts:
+            out.append(chunks[at:at + n])
+            at += n
+        return out
+
+    def _meeting_rows(self, i: int, lo: int, hi: int, box: Box) -> list[int]:
+        n = self._shape_at[i + 1] - self._shape_at[i]
+        if not n:
+            return list(range(lo, hi))
+        dims = slice(int(self.dim_at[lo]), int(self.dim_at[hi]))
+        off = self.offsets[dims].reshape(hi - lo, n)
+        ext = self.box[dims].reshape(hi - lo, n)
+        want = np.asarray(box[0], dtype=np.int64)
+        meets = np.all(np.maximum(off, want) < np.minimum(off + ext, want + np.asarray(box[1], dtype=np.int64)),
+                       axis=1)
+        return (np.flatnonzero(meets) + lo).tolist()
+
+    def chunks_in(self, file: str) -> list[tuple[str, "Chunk"]]:
+        """(tensor name, chunk) of every chunk stored in ``file``, found with numpy."""
+        if file not in self.file_names:
+            return []
+        rows = np.flatnonzero(self.c_file == self.file_names.index(file))
+        return list(zip([self.names[i] for i in self.c_tensor[rows].tolist()], self.chunks_at(rows)))
+
+    def distinct_bytes(self, files: list[bool]) -> int:
+        """Bytes of the distinct byte ranges the chunks hold in the files flagged in
+        ``files`` (by position in the manifest's list): ties and repeats count once."""
+        mask = np.asarray(files + [False], dtype=bool)[self.c_file]
+        ranges = np.stack((self.c_file[mask], self.c_start[mask], self.c_length[mask]))
+        return int(np.unique(ranges, axis=1)[2].sum()) if ranges.shape[1] else 0
+
+    def entries(self) -> dict[str, "TensorEntry"]:
+        """Every tensor as a (mutable) ``TensorEntry``: for tools that edit a manifest."""
+        return {n: TensorEntry(e.dtype, list(e.shape), e.chunks, e.tied_to)
+                for n, e in ((n, TableEntry(self, i)) for i, n in enumerate(self.names))}
+
+    def with_files(self, file_names: list[str]) -> "TensorTable":
+        """The same table for a manifest whose files are ``file_names`` (a superset)."""
+        if file_names == self.file_names:
+            return self
+        where = {n: i for i, n in enumerate(file_names)}
+        remap = np.asarray([where[n] for n in self.file_names] or [0], dtype=np.int64)
+        return TensorTable(self.names, self.dtypes, self.algorithms, list(file_names), self.block_size,
+                           t_dtype=self.t_dtype, t_ndim=self.t_ndim, t_chunks=self.t_chunks, t_tied=self.t_tied,
+                           shape=self.shape, c_file=remap[self.c_file], c_start=self.c_start,
+                           c_length=self.c_length, c_alg=self.c_alg, offsets=self.offsets, box=self.box,
+                           digests=self.digests)
+
+    # -- storage form ----------------------------------------------------------------
+    def encode(self) -> dict[str, Any]:
+        columns = {"dtype": self.t_dtype, "ndim": self.t_ndim, "chunks": self.t_chunks, "tied": self.t_tied,
+                   "shape": self.shape, "file": self.c_file, "start": self.c_start, "length": self.c_length,
+                   "algorithm": self.c_alg, "offsets": self.offsets, "box": self.box}
+        return {"names": self.names, "dtypes": self.dtypes, "algorithms": self.algorithms,
+                "columns": {k: pack(v) for k, v in columns.items()},
+                "digests": base64.b64encode(self.digests).decode("ascii")}
+
+
+class TableEntry:
+    """One tensor of a ``TensorTable``, with the fields of ``TensorEntry`` (read-only)."""
+
+    __slots__ = ("table", "i")
+
+    def __init__(self, table: TensorTable, i: int) -> None:
+        self.table, self.i = table, i
+
+    @property
+    def dtype(self) -> str:
+        return self.table._dtype[self.i]
+
+    @property
+    def shape(self) -> list[int]:
+        return self.table._shape[self.i]
+
+    @property
+    def tied_to(self) -> str | None:
+        tied = self.table._tied[self.i]
+        return None if tied < 0 else self.table.names[tied]
+
+    @property
+    def chunks(self) -> list["Chunk"]:
+        t = self.table
+        return t.chunks_at(list(range(t._first[self.i], t._first[self.i + 1])))
+
+    def meeting(self, box: Box) -> list["Chunk"]:
+        return self.table.meeting_many([self.i], [box])[0]
+
+    def __eq__(self, other: object) -> bool:
+        return all(getattr(self, f) == getattr(other, f, None) for f in ("dtype", "shape", "chunks", "tied_to"))
+
+    def __repr__(self) -> str:
+        return f"TableEntry({self.table.names[self.i]!r}, {self.dtype}, {self.shape}, {self.table.t_chunks[self.i]} chunk(s))"
+
+
+def decode_table(raw: Any, files: Mapping[str, Any], block_size: int, where: str) -> TensorTable:
+    """Check a stored table against every rule of §6.2 (vectorized) and return it; any
+    violation is a ``CorruptCheckpointError`` naming ``where``."""
+    _need(isinstance(raw, dict) and isinstance(raw.get("columns"), dict), where, "not an object with columns")
+    names, dtypes, algorithms, cols = raw["names"], raw["dtypes"], raw["algorithms"], raw["columns"]
+    _need(isinstance(names, list) and all(type(n) is str for n in names), where, "names are not strings")
+    _need(len(set(names)) == len(names), where, "a tensor name is listed twice")
+    _need(isinstance(dtypes, list) and isinstance(algorithms, list), where, "bad dtype or algorithm list")
+    itemsizes = np.asarray([dtype_from_name(d, f"{where}: tensor table").itemsize for d in dtypes] or [1],
+                           dtype=np.int64)
+    _need(all(a in ALGORITHM_WIDTH for a in algorithms), where, f"unknown checksum algorithm in {algorithms!r}")
+    n = len(names)
+    t = {c: unpack(cols.get(c), n, where, c) for c in TENSOR_COLUMNS}
+    t_dtype, ndim, nchunks, tied = t["dtype"], t["ndim"], t["chunks"], t["tied"]
+    _need(n == 0 or (t_dtype.min() >= 0 and t_dtype.max() < len(dtypes)), where, "dtype index out of range")
+    _need(n == 0 or (ndim.min() >= 0 and ndim.max() <= MAX_DIMS), where, f"a tensor has more than {MAX_DIMS} dimensions")
+    _need(n == 0 or (tied.min() >= -1 and tied.max() < n and not np.any(tied == np.arange(n))), where,
+          "a tensor is tied to an unknown tensor or to itself")
+    shape = unpack(cols.get("shape"), _total(ndim, where, "ndim"), where, "shape")
+    n_chunks = _total(nchunks, where, "chunk counts")
+    _need(shape.size == 0 or shape.min() >= 0, where, "negative dimension")
+    c = {k: unpack(cols.get(k), n_chunks, where, k) for k in CHUNK_COLUMNS}
+    c_file, c_start, c_length, c_alg = c["file"], c["start"], c["length"], c["algorithm"]
+    c_tensor = np.repeat(np.arange(n, dtype=np.int64), nchunks)
+    n_dims = _total(ndim[c_tensor], where, "chunk dimensions")
+    offsets = unpack(cols.get("offsets"), n_dims, where, "offsets")
+    box = unpack(cols.get("box"), n_dims, where, "box")
+    sizes = np.asarray([f.size for f in files.values()] or [0], dtype=np.int64)
+    if n_chunks:
+        rule = functools.partial(_chunk_rule, c_tensor, names)
+        rule((c_file < 0) | (c_file >= len(files)), where, "a chunk names a file not in the list")
+        rule((c_alg < 0) | (c_alg >= len(algorithms)), where, "a chunk names an unknown checksum algorithm")
+        rule((c_start < 0) | (c_length < 0), where, "a chunk has a negative byte offset or length")
+        size = sizes[c_file]
+        rule((c_start > size) | (c_length > size - c_start), where, "a chunk's byte range does not fit", c_file, files)
+    _check_boxes(names, shape, ndim, itemsizes[t_dtype], nchunks, c_tensor, c_length, offsets, box, where)
+    digest = raw["digests"]
+    try:
+        digests = base64.b64decode(digest, validate=True) if isinstance(digest, str) else None
+    except (ValueError, binascii.Error):
+        digests = None
+    width = np.asarray([ALGORITHM_WIDTH[a] for a in algorithms] or [0], dtype=np.int64)
+    sums = np.maximum(1, -(-c_length // block_size))
+    _need(digests is not None and len(digests) == int((sums * width[c_alg]).sum()), where,
+          "the block digests do not match the chunks (truncated or altered)")
+    _check_coverage(names, shape, ndim, nchunks, offsets, box, where)
+    return TensorTable(names, dtypes, algorithms, list(files), block_size, t_dtype=t_dtype, t_ndim=ndim,
+                       t_chunks=nchunks, t_tied=tied, shape=shape, c_file=c_file, c_start=c_start,
+                       c_length=c_length, c_alg=c_alg, offsets=offsets, box=box, digests=cast(bytes, digests))
+
+
+def _chunk_rule(c_tensor: np.ndarray, names: list[str], bad: np.ndarray, where: str, what: str,
+                c_file: np.ndarray | None = None, files: Mapping[str, Any] | None = None) -> None:
+    """Raise naming the tensor (and, given ``files``, the file) of the first chunk flagged
+    in ``bad``."""
+    found = np.flatnonzero(bad)
+    if found.size:
+        j = int(found[0])
+        file = f" {list(files)[int(c_file[j])]}" if files is not None and c_file is not None else ""
+        raise CorruptCheckpointError(f"{where}: tensor {names[int(c_tensor[j])]!r}: {what}{file}")
+
+
+def _products(values: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Float64 products per segment ``[at[g], at[g+1])`` (1 when empty): overflow tests."""
+    out = np.ones(len(at) - 1, dtype=np.float64)
+    nonempty = at[1:] > at[:-1]
+    if values.size:
+        prod = np.multiply.reduceat(values.astype(np.float64), at[:-1][nonempty])
+        out[nonempty] = prod
+    return out
+
+
+def _exact_products(values: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Int64 products per segment ``[at[g], at[g+1])`` (1 when empty); the caller has
+    checked that they fit."""
+    out = np.ones(len(at) - 1, dtype=np.int64)
+    nonempty = at[1:] > at[:-1]
+    if values.size:
+        out[nonempty] = np.multiply.reduceat(values, at[:-1][nonempty])
+    return out
+
+
+def _check_boxes(names: list[str], shape: np.ndarray, ndim: np.ndarray, itemsize: np.ndarray,
+                 nchunks: np.ndarray, c_tensor: np.ndarray, c_length: np.ndarray, offsets: np.ndarray,
+                 box: np.ndarray, where: str) -> np.ndarray:
+    """Shapes that torch can allocate, boxes inside their tensors, byte lengths that match
+    the boxes; returns every tensor's element count."""
+    shape_at = np.concatenate(([0], np.cumsum(ndim))).astype(np.int64)
+    roomy = np.maximum(shape, 1)
+    approx = _products(roomy, shape_at) * itemsize
+    for i in np.flatnonzero(approx >= 2.0 ** 62).tolist():  # near the limit: decide exactly
+        dims = shape[shape_at[i]:shape_at[i + 1]].tolist()
+        if math.prod(max(d, 1) for d in dims) * int(itemsize[i]) >= 2**63:
+            raise CorruptCheckpointError(f"{where}: tensor {names[i]!r}: bad shape {str(dims)[:100]}")
+    volumes = _exact_products(shape, shape_at)
+    if not len(c_tensor):
+        return volumes
+    _need(offsets.min() >= 0 and box.min() >= 0, where, "negative chunk offset or shape")
+    # the tensor dimension each chunk dimension belongs to
+    c_ndim = ndim[c_tensor]
+    dim_at = np.concatenate(([0], np.cumsum(c_ndim))).astype(np.int64)
+    tdim = _segments(shape_at[:-1][c_tensor], c_ndim)
+    bound = shape[tdim]
+    bad = np.flatnonzero((offsets > bound) | (box > bound - offsets))
+    if bad.size:
+        j = int(np.searchsorted(dim_at, bad[0], side="right") - 1)
+        raise CorruptCheckpointError(f"{where}: tensor {names[int(c_tensor[j])]!r}: chunk box outside the tensor")
+    c_volume = _exact_products(box, dim_at)
+    bad = np.flatnonzero(c_length != c_volume * itemsize[c_tensor])
+    if bad.size:
+        raise CorruptCheckpointError(f"{where}: tensor {names[int(c_tensor[bad[0]])]!r}: "
+                                     "byte length does not match its chunk's shape")
+    # volumes add up (exact int64 sums, with a float64 sum ruling out wrap-around)
+    first = np.concatenate(([0], np.cumsum(nchunks))).astype(np.int64)[:-1]
+    has = nchunks > 0
+    total = np.zeros(len(names), dtype=np.int64)
+    approx_total = np.zeros(len(names), dtype=np.float64)
+    total[has] = np.add.reduceat(c_volume, first[has])
+    approx_total[has] = np.add.reduceat(c_volume.astype(np.float64), first[has])
+    bad = np.flatnonzero((total != volumes) | (np.abs(approx_total - volumes) > 1 + volumes * 1e-6))
+    if bad.size:
+        i = int(bad[0])
+        raise CorruptCheckpointError(f"{where}: tensor {names[i]!r}: the pieces cover {int(approx_total[i])} of "
+                                     f"{int(volumes[i])} elements; every element must be held by exactly one box")
+    return volumes
+
+
+def _check_coverage(names: list[str], shape: np.ndarray, ndim: np.ndarray, nchunks: np.ndarray,
+                    offsets: np.ndarray, box: np.ndarray, where: str) -> None:
+    """Chunks tile their tensor: volumes add up and boxes lie inside (checked before); a
+    single chunk is the whole tensor; several pass ``plan.check_tilings``."""
+    shape_at = np.concatenate(([0], np.cumsum(ndim))).astype(np.int64)
+    first = np.concatenate(([0], np.cumsum(nchunks))).astype(np.int64)
+    c_ndim = np.repeat(ndim, nchunks)
+    c_tensor = np.repeat(np.arange(len(names), dtype=np.int64), nchunks)
+    dim_at = np.concatenate(([0], np.cumsum(c_ndim))).astype(np.int64)
+    single = np.flatnonzero(nchunks == 1)
+    if single.size:  # the box equals the tensor's shape (its offsets are then 0)
+        rows = _segments(dim_at[first[single]], ndim[single])
+        tdims = _segments(shape_at[single], ndim[single])
+        bad = np.flatnonzero(box[rows] != shape[tdims])
+        if bad.size:
+            i = int(single[np.searchsorted(np.cumsum(ndim[single]), bad[0], side="right")])
+            raise CorruptCheckpointError(f"{where}: tensor {names[i]!r}: its chunk does not cover it")
+    multi = nchunks[c_tensor] > 1
+    for k in np.unique(c_ndim[multi]).tolist():  # several chunks: one batch per number of dimensions
+        rows = np.flatnonzero(multi & (c_ndim == k))
+        at = dim_at[rows][:, None] + np.arange(k, dtype=np.int64)
+        tensors = np.flatnonzero((nchunks > 1) & (ndim == k))
+        local = np.zeros(len(names), dtype=np.int64)
+        local[tensors] = np.arange(len(tensors), dtype=np.int64)
+        try:
+            check_tilings([names[i] for i in tensors.tolist()],
+                          [tuple(shape[shape_at[i]:shape_at[i + 1]].tolist()) for i in tensors.tolist()],
+                          local[c_tensor[rows]], offsets[at], box[at])
+        except PlanError as exc:
+            raise CorruptCheckpointError(f"{where}: {exc}") from exc

@@ -1,0 +1,310 @@
+"""Format 3: the tensor table (compact.py) and the paths that read it.
+
+Saves write format 3; what they write must load exactly like the per-tensor entries of
+format 1 (mixed dtypes, views and tied weights inside small-tensor regions, boxes that
+straddle chunks); a crafted table — an index out of range, a negative or overflowing
+offset, a length that does not match, a shape that overflows, a truncated column — is a
+``CorruptCheckpointError`` naming the manifest, never another exception.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+
+import safeckpt
+from safeckpt.format.compact import TensorTable, pack
+from safeckpt.format.manifest import decode_manifest, editable, encode_manifest, frame
+from safeckpt.format.plan import overlap
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.uint8, torch.complex64,
+          torch.float8_e4m3fn, torch.int8, torch.float64]
+
+
+def _manifest(ckpt: Path) -> Path:
+    (path,) = sorted(ckpt.glob("manifest-*.json"))
+    return path
+
+
+def _body(ckpt: Path) -> dict:
+    data = _manifest(ckpt).read_bytes()
+    return json.loads(data[len(b'{"safeckpt":'):data.rindex(b',"checksum":')])
+
+
+def _write_body(ckpt: Path, body: dict) -> Path:
+    path = _manifest(ckpt)
+    path.write_bytes(frame(json.dumps(body).encode()))
+    return path
+
+
+def _column(body: dict, name: str) -> np.ndarray:
+    raw = body["tensors"]["columns"][name]
+    return np.frombuffer(zlib.decompress(base64.b64decode(raw)), dtype="<i8").copy()
+
+
+def mixed_state() -> dict:
+    """Small tensors of every kind in one region: dtypes, views, a tie, empty, 0-dim."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(16, 16, generator=g)
+    state: dict = {f"t{i:03d}": (torch.randn(2 + i % 7, generator=g) * 9).to(DTYPES[i % len(DTYPES)])
+                   for i in range(60)}
+    state.update(view=base[2::3, 1::2], transposed=base.t(), tied=state["t004"], empty=torch.zeros(0, 5),
+                 scalar=torch.tensor(-2, dtype=torch.int16), step=9)
+    return state
+
+
+def same(got: Any, want: Any) -> bool:
+    if isinstance(want, torch.Tensor):
+        return got.dtype == want.dtype and got.shape == want.shape and torch.equal(
+            got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+            want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
+    return got == want
+
+
+def test_a_save_writes_format_3_and_loads_back_exactly(tmp_path):
+    state = mixed_state()
+    safeckpt.save(state, tmp_path / "c")
+    m = decode_manifest(_manifest(tmp_path / "c").read_bytes(), "m")
+    assert m.version == 3 and isinstance(m.tensors, TensorTable)
+    assert m.tensors["tied"].tied_to == "t004" and m.tensors["t004"].tied_to is None
+    loaded = safeckpt.load_state(tmp_path / "c")
+    assert all(same(loaded[k], v) for k, v in state.items()), [k for k, v in state.items() if not same(loaded[k], v)]
+    assert loaded["tied"] is loaded["t004"]  # tied weights come back tied
+    template = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
+    template["tied"] = template["t004"]
+    safeckpt.load(template, tmp_path / "c")
+    assert all(same(template[k], v) for k, v in state.items())
+    assert safeckpt.verify(tmp_path / "c").ok
+
+
+def test_format_3_decodes_to_the_entries_format_1_holds(tmp_path):
+    """The same checkpoint re-encoded as format 1 gives equal tensors, chunk by chunk."""
+    safeckpt.save(mixed_state(), tmp_path / "c")
+    path = _manifest(tmp_path / "c")
+    v3 = decode_manifest(path.read_bytes(), "m")
+    v1 = decode_manifest(encode_manifest(dataclasses.replace(v3, version=1, tensors=editable(v3.tensors))), "m")
+    assert v1.version == 1 and list(v1.tensors) == list(v3.tensors)
+    for name, entry in v1.tensors.items():
+        table = v3.tensors[name]
+        assert (table.dtype, table.shape, table.chunks) == (entry.dtype, entry.shape, entry.chunks), name
+
+
+def _sharded_run(tmp_path: Path) -> tuple[Path, torch.Tensor]:
+    """A 2-d tensor saved in many chunks (an incremental save cuts it into row runs)."""
+    full = torch.arange(37 * 11, dtype=torch.float32).reshape(37, 11)
+    root = tmp_path / "run"
+    with safeckpt.CheckpointManager(root, incremental=True, chunk_size=64) as mgr:
+        mgr.save(1, {"w": full, "v": full[:, 3:5].clone().to(torch.int16)})
+    return root / "step-000000001", full
+
+
+@pytest.mark.parametrize("box", [((0, 0), (37, 11)), ((5, 3), (9, 4)), ((1, 0), (1, 11)), ((36, 10), (1, 1)),
+                                 ((3, 7), (30, 4)), ((0, 0), (0, 11))])
+def test_boxes_straddling_chunks_read_exactly_their_part(tmp_path, box):
+    ckpt, full = _sharded_run(tmp_path)
+    m = decode_manifest(_manifest(ckpt).read_bytes(), "m")
+    entry = m.tensors["w"]
+    assert len(entry.chunks) > 20  # really cut into many chunks
+    meeting = entry.meeting(box)
+    assert meeting == [c for c in entry.chunks if overlap(box, (tuple(c.offsets), tuple(c.shape)))]
+    (o0, o1), (s0, s1) = box
+    local = torch.zeros(s0, s1)
+    safeckpt.load({"w": safeckpt.Shard(local, [37, 11], [o0, o1]), "v": torch.zeros(37, 2, dtype=torch.int16)},
+                  ckpt, strict=False)
+    assert torch.equal(local, full[o0:o0 + s0, o1:o1 + s1])
+
+
+# --------------------------------------------------------------------------- crafted tables
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    path = tmp_path / "ck"
+    safeckpt.save({"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(2), "h": torch.zeros(2, 2, dtype=torch.int8),
+                   "step": 7}, path)
+    return path
+
+
+def _col(name: str, change: Callable[[np.ndarray], np.ndarray]) -> Callable[[dict], None]:
+    def mutate(body: dict) -> None:
+        body["tensors"]["columns"][name] = pack(change(_column(body, name)))
+    return mutate
+
+
+def _at(i: int, value: int) -> Callable[[np.ndarray], np.ndarray]:
+    def change(a: np.ndarray) -> np.ndarray:
+        a[i] = value
+        return a
+    return change
+
+
+def _set(key: str, value: Any) -> Callable[[dict], None]:
+    def mutate(body: dict) -> None:
+        body["tensors"][key] = value
+    return mutate
+
+
+def _overlapping(body: dict) -> None:
+    """``w`` as two chunks of 6 elements each, the second overlapping the first: the
+    volumes add up, the boxes do not tile (and are no grid)."""
+    cols = {k: _column(body, k) for k in ("chunks", "file", "start", "length", "algorithm", "offsets", "box")}
+    cols["chunks"][0] = 2
+    start, length = int(cols["start"][0]), int(cols["length"][0])
+    cols["start"] = np.insert(cols["start"], 1, start)
+    cols["length"] = np.insert(cols["length"], 1, 24)
+    cols["length"][0] = 24
+    cols["file"] = np.insert(cols["file"], 1, cols["file"][0])
+    cols["algorithm"] = np.insert(cols["algorithm"], 1, 0)
+    cols["offsets"] = np.concatenate(([0, 0, 1, 1], cols["offsets"][2:]))  # rows 0-1 x cols 0-2 and 1-2 x 1-3
+    cols["box"] = np.concatenate(([2, 3, 2, 3], cols["box"][2:]))
+    digests = base64.b64decode(body["tensors"]["digests"])
+    body["tensors"]["digests"] = base64.b64encode(digests[:8] + digests).decode()
+    for k, v in cols.items():
+        body["tensors"]["columns"][k] = pack(v)
+    assert length == 48
+
+
+def _bomb(body: dict) -> None:
+    body["tensors"]["columns"]["file"] = base64.b64encode(zlib.compress(bytes(1 << 28), 9)).decode()
+
+
+CRAFTED = {
+    "file index out of range": _col("file", _at(0, 5)),
+    "file index negative": _col("file", _at(1, -1)),
+    "dtype index out of range": _col("dtype", _at(0, 9)),
+    "algorithm index out of range": _col("algorithm", _at(0, 1)),
+    "negative start": _col("start", _at(0, -8)),
+    "start past the file": _col("start", _at(0, 1 << 40)),
+    "overflowing start": _col("start", _at(0, 2**63 - 4)),
+    "length mismatch": _col("length", _at(0, 44)),
+    "overflowing length": _col("length", _at(0, 2**63 - 1)),
+    "negative offset": _col("offsets", _at(0, -1)),
+    "box outside the tensor": _col("offsets", _at(1, 2)),
+    "box larger than the tensor": _col("box", _at(0, 4)),
+    "overflowing box": _col("box", _at(0, 2**62)),
+    "negative dimension": _col("shape", _at(0, -3)),
+    "shape overflow": _col("shape", _at(0, 2**62)),
+    "65 dimensions": _col("ndim", _at(0, 65)),
+    "chunk count negative": _col("chunks", _at(0, -1)),
+    "chunk count huge": _col("chunks", _at(0, 2**62)),
+    "a tensor without its chunk": _col("chunks", _at(0, 0)),
+    "tied to itself": _col("tied", _at(0, 0)),
+    "tied out of range": _col("tied", _at(0, 3)),
+    "truncated column": _col("start", lambda a: a[:-1]),
+    "column too long": _col("box", lambda a: np.append(a, 1)),
+    "column cut mid-value": lambda body: body["tensors"]["columns"].__setitem__(
+        "start", base64.b64encode(zlib.compress(_column(body, "start").tobytes()[:-3])).decode()),
+    "column not base64": lambda body: body["tensors"]["columns"].__setitem__("length", "!!"),
+    "column not deflated": lambda body: body["tensors"]["columns"].__setitem__("length", "AAAA"),
+    "column missing": lambda body: body["tensors"]["columns"].pop("offsets"),
+    "column inflates to 256 MiB": _bomb,
+    "digests truncated": lambda body: body["tensors"].__setitem__("digests", body["tensors"]["digests"][:-4]),
+    "digests not base64": _set("digests", "$$$$"),
+    "names duplicated": lambda body: body["tensors"]["names"].__setitem__(1, body["tensors"]["names"][0]),
+    "names not strings": lambda body: body["tensors"]["names"].__setitem__(0, 3),
+    "names missing one": lambda body: body["tensors"]["names"].pop(),
+    "dtype unknown": _set("dtypes", ["float99", "int8"]),
+    "algorithm unknown": _set("algorithms", ["md5"]),
+    "columns not an object": _set("columns", [1]),
+    "overlapping chunks": _overlapping,
+    "tensors a list": lambda body: body.__setitem__("tensors", [1]),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_a_crafted_table_is_a_corrupt_checkpoint(ckpt, case):
+    body = _body(ckpt)
+    CRAFTED[case](body)
+    manifest = _write_body(ckpt, body)
+    for call in (lambda: safeckpt.load_state(ckpt), lambda: safeckpt.load_state(ckpt, verify=False),
+                 lambda: safeckpt.load({"w": torch.zeros(3, 4)}, ckpt, strict=False)):
+        with pytest.raises(safeckpt.CorruptCheckpointError) as info:
+            call()
+        assert manifest.name in str(info.value), info.value
+    report = safeckpt.verify(ckpt)
+    assert not report.ok and manifest.name in report.problems[0]
+
+
+def test_a_torn_format_3_manifest_is_not_a_commit(tmp_path):
+    """Cut anywhere, inside the table too, the manifest is invalid; the older one wins."""
+    safeckpt.save({"a": torch.ones(3)}, tmp_path / "c")
+    safeckpt.save({"a": torch.full((3,), 2.0)}, tmp_path / "c", overwrite=True)
+    (path,) = sorted((tmp_path / "c").glob("manifest-*.json"))
+    data = path.read_bytes()
+    for cut in (len(data) // 3, data.index(b'"columns"') + 20, len(data) - 2):
+        path.write_bytes(data[:cut])
+        with pytest.raises(safeckpt.CorruptCheckpointError, match=path.name):
+            safeckpt.load_state(tmp_path / "c")
+    path.write_bytes(data)
+    assert torch.equal(safeckpt.load_state(tmp_path / "c")["a"], torch.full((3,), 2.0))
+
+
+# --------------------------------------------------------------------------- fuzzing
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_COLUMNS = ["dtype", "ndim", "chunks", "tied", "shape", "file", "start", "length", "algorithm", "offsets", "box"]
+_VALUES = st.one_of(st.integers(-3, 70), st.sampled_from([2**31, 2**62, 2**63 - 1, -2**63, 1 << 40]))
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=150, deadline=2000, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_tables_load_or_raise_a_checkpoint_error(ckpt, data):
+    """Any values in any columns (and columns cut or grown): a load or a CheckpointError."""
+    path = _manifest(ckpt)
+    original = path.read_bytes()
+    body = _body(ckpt)
+    try:
+        for _ in range(data.draw(st.integers(1, 3))):
+            name = data.draw(st.sampled_from(_COLUMNS))
+            column = _column(body, name)
+            how = data.draw(st.sampled_from(["set", "cut", "grow"]))
+            if how == "set" and len(column):
+                column[data.draw(st.integers(0, len(column) - 1))] = data.draw(_VALUES)
+            elif how == "cut":
+                column = column[:data.draw(st.integers(0, len(column)))]
+            else:
+                column = np.append(column, data.draw(_VALUES))
+            body["tensors"]["columns"][name] = pack(column)
+        _write_body(ckpt, body)
+        for call in (lambda: safeckpt.load_state(ckpt), lambda: safeckpt.verify(ckpt)):
+            try:
+                call()
+            except safeckpt.CheckpointError:
+                pass
+    finally:
+        path.write_bytes(original)
+
+
+def test_the_manifest_grows_by_bytes_per_piece(tmp_path):
+    """2,000 more tensors cost the names plus a few bytes per piece, not a JSON entry each."""
+    sizes = []
+    for n in (1000, 3000):
+        safeckpt.save({f"layer{i}.w": torch.ones(3) for i in range(n)}, tmp_path / str(n))
+        sizes.append(_manifest(tmp_path / str(n)).stat().st_size)
+    per_tensor = (sizes[1] - sizes[0]) / 2000
+    names = len(json.dumps([f"layer{i}.w" for i in range(1000, 3000)])) / 2000
+    tree = len(json.dumps({f"layer{i}.w": {"$tensor": f"layer{i}.w"} for i in range(1000, 3000)})) / 2000
+    assert per_tensor - names - tree < 24, per_tensor  # digest (8 bytes, base64) and deflated columns
+
+
+def test_table_queries_match_the_per_tensor_entries():
+    """shared_bytes and chunks_in (ls, verify) over the table equal the per-entry answers
+    (golden v3 incremental run: step 2 shares step 1's chunks)."""
+    golden = Path(__file__).parent / "golden" / "v3" / "run" / "step-000000002"
+    m = decode_manifest(_manifest(golden).read_bytes(), "m")
+    entries = dataclasses.replace(m, tensors=editable(m.tensors))
+    assert m.shared_bytes() == entries.shared_bytes() > 0
+    for name in m.files:
+        assert m.chunks_in(name) == entries.chunks_in(name) and m.chunks_in(name)

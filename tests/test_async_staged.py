@@ -19,7 +19,8 @@ from safeckpt.run import asyncsave
 from safeckpt.format.checksum import BLOCK_SIZE, checksum
 from safeckpt.format.folder import read_committed
 from safeckpt.protocol.datafile import COALESCE_BELOW, WrittenPiece
-from safeckpt.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, decode_manifest
+from safeckpt.format.compact import from_entries
+from safeckpt.format.manifest import Chunk, TensorEntry
 from safeckpt.protocol.staged import Placeholders
 from safeckpt.storage import open as open_storage
 from safeckpt.storage.local import LocalStorage
@@ -201,33 +202,47 @@ def test_gil_released_and_one_shot_checksums_agree():
         assert checksum(data, "xxh3_128") == f"xxh3_128:{xxhash.xxh3_128_hexdigest(data)}", n
 
 
-def _manifest_with(tree, pieces: list[WrittenPiece]) -> Manifest:
+def _table_with(pieces: list[WrittenPiece], extra: "dict[str, list[str]] | None" = None):
+    """The tensor table of a manifest whose tensors are ``pieces`` (one chunk each) and
+    ``extra`` (a name -> block checksums, a chunk of one block each)."""
+    file = "data-x-r00000.safetensors"
     tensors = {p.name: TensorEntry("float32", [(p.end - p.start) // 4],
-                                   [Chunk("data-x-r00000.safetensors", p.start, p.end, p.checksums, [0],
-                                          [(p.end - p.start) // 4])]) for p in pieces}
-    return Manifest("x", 1, 0.0, 1, {"data-x-r00000.safetensors": FileEntry("data-x-r00000.safetensors", 1 << 30)},
-                    tensors, tree)
+                                   [Chunk(file, p.start, p.end, p.checksums, [0], [(p.end - p.start) // 4])])
+               for p in pieces}
+    tensors.update({name: TensorEntry("float32", [2], [Chunk(file, 0, 8, sums, [0], [2])])
+                    for name, sums in (extra or {}).items()})
+    return from_entries(tensors, [file], BLOCK_SIZE)
 
 
-def test_placeholders_are_patched_or_the_manifest_is_encoded_again():
+def test_placeholders_are_patched_in_the_table_or_it_is_built_again():
     pieces = [WrittenPiece("a", 8, 8 + 2 * BLOCK_SIZE + 4), WrittenPiece("b", 8 + 2 * BLOCK_SIZE + 4, 8 + 3 * BLOCK_SIZE)]
     for collide in (False, True):
         mine = [WrittenPiece(p.name, p.start, p.end) for p in pieces]
         holes = Placeholders(mine)
-        stand_ins = [holes._text(n) for n in range(4)]
-        # a state value that happens to hold a placeholder's text: patching by position is off
-        manifest = _manifest_with({"note": stand_ins[1] if collide else "plain"}, mine)
-        holes.encode(manifest)
-        assert (holes.body is None) == collide
+        # a small piece whose real checksum equals a stand-in: patching by position is off
+        table = _table_with(mine, {"small": [holes._text(1) if collide else checksum(b"small")]})
+        holes.locate(table)
+        assert (holes.at is None) == collide
         with pytest.raises(RuntimeError):
-            holes.result(manifest)  # never a manifest with a placeholder in it
+            holes.patch(table)  # never a manifest with a placeholder in it
         for n, (piece, k) in enumerate(holes.slots):
             piece.checksums[k] = checksum(f"block {n}".encode())
-        data = b"".join(holes.result(manifest))
-        decoded = decode_manifest(data, "test")
-        assert [c.checksums for t in decoded.tensors.values() for c in t.chunks] == \
-               [[checksum(f"block {n}".encode()) for n in range(3)], [checksum(b"block 3")]]
-        assert decoded.tree == {"note": stand_ins[1] if collide else "plain"}
+        assert holes.patch(table) is not collide
+        if not collide:
+            assert [c.checksums for name in ("a", "b") for c in table[name].chunks] == \
+                   [[checksum(f"block {n}".encode()) for n in range(3)], [checksum(b"block 3")]]
+            assert table["small"].chunks[0].checksums == [checksum(b"small")]
+
+
+def test_a_large_piece_and_many_small_ones_commit_with_their_real_checksums(tmp_path):
+    state = {"big": torch.randn(3 * BLOCK_SIZE // 4 + 5), **{f"t{i}": torch.randn(16) for i in range(300)}}
+    safeckpt.async_save(state, tmp_path / "c").result()
+    report = safeckpt.verify(tmp_path / "c")
+    assert report.ok, report.problems
+    m = read_committed(open_storage(tmp_path / "c"))
+    assert all(":" in s and s.partition(":")[2] != "" for c in m.tensors["big"].chunks for s in c.checksums)
+    out = safeckpt.load_state(tmp_path / "c")
+    assert all(torch.equal(out[k], v) for k, v in state.items())
 
 
 def test_a_failed_manifest_write_reaches_the_future_and_keeps_the_previous_checkpoint(tmp_path):

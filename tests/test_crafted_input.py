@@ -21,7 +21,7 @@ import torch
 
 import safeckpt
 from safeckpt.format.checksum import block_checksums
-from safeckpt.interop.export import import_checkpoint, read_safetensors
+from safeckpt.interop.imports import import_checkpoint, read_safetensors
 from safeckpt.format.manifest import decode_manifest, editable, encode_manifest, frame
 from safeckpt.format.plan import PlanError, check_coverage
 

@@ -123,11 +123,6 @@ def encode_values(values: dict[str, Any], what: str) -> Any:
 
 def encode_manifest(m: Manifest) -> bytes:
     """Serialize to the framed, self-checksummed form."""
-    return frame(encode_body(m))
-
-
-def encode_body(m: Manifest) -> bytes:
-    """The JSON body of a manifest, unframed (an async save patches checksums into it)."""
     body = {
         "format_version": m.version, "save_id": m.save_id, "seq": m.seq, "created": m.created,
         "world_size": m.world_size, "step": m.step, "block_size": m.block_size, "run_id": m.run_id,
@@ -141,17 +136,12 @@ def encode_body(m: Manifest) -> bytes:
     }
     if m.dcp is not None:
         body["dcp"] = {"items": m.dcp.items, "planner_data": m.dcp.planner_data, "bytesio": m.dcp.bytesio}
-    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    return frame(json.dumps(body, separators=(",", ":"), allow_nan=False).encode())
 
 
 def frame(raw: bytes) -> bytes:
     """A manifest's bytes on storage: the JSON body ``raw`` in its self-checksummed frame."""
-    return b"".join(frame_parts(raw))
-
-
-def frame_parts(raw: "bytes | bytearray") -> list:
-    """``frame(raw)`` as the parts to write one after another (the body is not copied)."""
-    return [_PREFIX, raw, f',"checksum":"{checksum(raw)}"}}\n'.encode()]
+    return _PREFIX + raw + f',"checksum":"{checksum(raw)}"}}\n'.encode()
 
 
 def _need(cond: bool, where: str, what: str) -> None:

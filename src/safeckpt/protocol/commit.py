@@ -489,13 +489,13 @@ def merge_trees(trees: list[Any], key: str = "", has_local: bool = True) -> Any:
         "differ per rank must be wrapped in safeckpt.RankLocal (they are then saved per rank)")
 
 
-def write_manifest(storage: Storage, manifest: Manifest, what: str = "save", encoded: list | None = None) -> None:
-    """The commit: write the manifest (``encoded``: its bytes already encoded, as parts),
+def write_manifest(storage: Storage, manifest: Manifest, what: str = "save") -> None:
+    """The commit: write the manifest,
     the last file of a save, never over another one (two writers of one folder: exactly
     one commits each sequence number). On return it is durable."""
     name = manifest_name(manifest.seq)
     try:
-        storage.write_file(name, [encode_manifest(manifest)] if encoded is None else encoded)
+        storage.write_file(name, [encode_manifest(manifest)])
     except FileExistsError as exc:
         if name not in storage.listdir():  # listings show regular files only
             raise CheckpointExistsError(

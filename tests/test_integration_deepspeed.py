@@ -43,7 +43,7 @@ pytestmark = pytest.mark.timeout(600)
 SRC = str(Path(safeckpt.__file__).resolve().parent.parent)
 RUN_ENV = {"SAFECKPT_TIMEOUT": "20", "DIST_WORKER_STEP_TIMEOUT": "60"}
 SEED = 20261201
-KILLS = {1: 3, 2: 4, 3: 3}          # 10 kills in the default suite
+KILLS = {1: 2, 2: 2, 3: 2}          # 6 kills in the default suite
 SLOW_KILLS = {1: 10, 2: 10, 3: 10}
 KEEP_LAST = 3
 

@@ -1037,5 +1037,14 @@ def main(argv: list[str] | None = None) -> int:
     os._exit(code)
 
 
+def extension_main() -> None:
+    """The ``__main__`` of a worker that adds scenarios to this one: its fork server skips
+    the heavy imports (DTensor, FSDP), its ranks run as ``main`` does."""
+    if sys.argv[1:] == ["serve"]:
+        serve(heavy=False)
+        sys.exit(0)
+    sys.exit(main())
+
+
 if __name__ == "__main__":
     sys.exit(main())

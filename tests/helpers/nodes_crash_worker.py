@@ -18,7 +18,6 @@ import pickle
 import random
 import shutil
 import signal
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -177,7 +176,4 @@ class NodesCrashForkServer(dw.ForkServer):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["serve"]:
-        dw.serve(heavy=False)
-        sys.exit(0)
-    sys.exit(dw.main())
+    dw.extension_main()

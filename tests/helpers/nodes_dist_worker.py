@@ -11,7 +11,6 @@ functions of (rank layout, step); the workers observe, the test judges.
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -162,7 +161,4 @@ class NodesForkServer(dw.ForkServer):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["serve"]:
-        dw.serve(heavy=False)
-        sys.exit(0)
-    sys.exit(dw.main())
+    dw.extension_main()

@@ -11,7 +11,6 @@ data are pure functions of (rank, step), shared with the test process, which jud
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +114,4 @@ class TieredForkServer(dw.ForkServer):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["serve"]:
-        dw.serve(heavy=False)
-        sys.exit(0)
-    sys.exit(dw.main())
+    dw.extension_main()

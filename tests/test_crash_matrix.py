@@ -451,10 +451,9 @@ def run_cell(profile: str, scenario: str, power_cuts: int) -> Cell:
     return cell
 
 
-# the two longest scenarios on NFS and Windows (~80 s together) run with --slow; every
-# scenario keeps POSIX, a FUSE mount without rename and an object store in the default suite
-_LONG = {("nfs", "tiered-replication"), ("windows", "tiered-replication"),
-         ("nfs", "incremental-retention"), ("windows", "incremental-retention")}
+# the two longest scenarios (~150 s together) run on POSIX only in the default suite, and on
+# every profile with --slow; every other scenario keeps all five profiles in the default suite
+_LONG = {(p, s) for p in PROFILES if p != "posix" for s in ("tiered-replication", "incremental-retention")}
 CELLS = [pytest.param(p, s, marks=[pytest.mark.slow] if (p, s) in _LONG else [], id=f"{p}-{s}")
          for p in PROFILES for s in SCENARIOS]
 
@@ -699,7 +698,8 @@ def run_nodes_cell(server, tmp_path, profile: str, victim: str, pick, outcome_of
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("profile, victim", [("posix", "a"), ("posix", "b"), ("fuse-object", "a")])
+@pytest.mark.parametrize("profile, victim", [("posix", "a"), ("posix", "b"),
+                                             pytest.param("fuse-object", "a", marks=pytest.mark.slow)])
 def test_crash_matrix_nodes(nodes_server, tmp_path, profile: str, victim: str) -> None:
     cell = run_nodes_cell(nodes_server, tmp_path, profile, victim,
                           lambda log, rank: phase_starts(log, rank) + [len(log) + 1], lambda k: "drop")

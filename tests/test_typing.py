@@ -42,6 +42,7 @@ USER_CODE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # ~17 s; .ci/run type-checks the package itself after the suite
 def test_user_code_passes_mypy_strict(tmp_path):
     pytest.importorskip("mypy", reason="mypy comes with safeckpt[dev]")
     (tmp_path / "user.py").write_text(USER_CODE)

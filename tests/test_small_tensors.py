@@ -7,12 +7,15 @@ one region and broken by large tensors, and data files that stay standard safete
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 import safeckpt
+from safeckpt.format.compact import TableBuilder
 from safeckpt.format.manifest import decode_manifest
-from safeckpt.protocol import datafile
+from safeckpt.protocol import batchread, datafile, reader
+from safeckpt.storage import Storage
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.uint8,
           torch.complex64, torch.float8_e4m3fn, torch.int8]
@@ -86,3 +89,67 @@ def test_lazy_conj_and_neg_views_save_their_values(tmp_path) -> None:
         loaded = safeckpt.load_state(str(tmp_path / folder))
         for k, v in state.items():
             assert torch.equal(loaded[k], v.resolve_conj().resolve_neg()), (folder, k)
+
+
+def corrupt_byte(folder, name: str) -> None:
+    """Flip the first byte of tensor ``name`` in its data file."""
+    path = next(folder.glob("manifest-*.json"))
+    (chunk,) = decode_manifest(path.read_bytes(), str(path)).tensors[name].chunks
+    data = folder / chunk.file
+    raw = bytearray(data.read_bytes())
+    raw[chunk.start] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+def test_batched_reads_over_many_runs_and_threads(tmp_path, monkeypatch) -> None:
+    """Loads read small tensors in runs of adjacent bytes (``batchread``): with runs cut
+    every few KiB, on several threads, every tensor (mixed dtypes, in place and fresh,
+    tied, next to strided and large ones) gets exactly its bytes."""
+    state = many_small(900)
+    safeckpt.save(state, str(tmp_path / "c"))
+    monkeypatch.setattr(reader, "COALESCE_MAX", 2048)
+    monkeypatch.setattr(Storage, "merge_reads_below", 1024)  # runs of at most 2 KiB
+    seen: list[int] = []
+    real = batchread.BatchedReads._read_run
+    monkeypatch.setattr(batchread.BatchedReads, "_read_run", lambda self, run, *a: (seen.append(len(run[3])),
+                                                                                     real(self, run, *a)))
+    loaded = safeckpt.load_state(str(tmp_path / "c"))
+    assert_equal(loaded, state)
+    assert loaded["tied"] is loaded["t00001"]
+    assert len(seen) > 10 and sum(seen) >= 900, "the small tensors were not read in batches"
+    template = {k: torch.full_like(v.detach(), 0) for k, v in state.items()}
+    template["tied"] = template["t00001"]
+    template["view"] = torch.zeros(22, 64).t()[:32, :22].t()  # a strided target: the general path
+    safeckpt.load(template, str(tmp_path / "c"))
+    assert_equal(template, state)
+
+
+def test_batched_read_of_a_corrupt_tensor_names_it(tmp_path) -> None:
+    state = many_small(300)
+    safeckpt.save(state, str(tmp_path / "c"))
+    corrupt_byte(tmp_path / "c", "t00123")
+    with pytest.raises(safeckpt.CorruptCheckpointError, match="'t00123'.*fails its checksum"):
+        safeckpt.load_state(str(tmp_path / "c"))
+    template = {k: torch.zeros_like(v.detach()) for k, v in state.items()}
+    with pytest.raises(safeckpt.CorruptCheckpointError, match="'t00123'.*fails its checksum"):
+        safeckpt.load(template, str(tmp_path / "c"))
+    unchecked = safeckpt.load_state(str(tmp_path / "c"), verify=False)  # verify=False reads it as it is
+    assert not torch.equal(unchecked["t00123"], state["t00123"]) and torch.equal(unchecked["t00124"], state["t00124"])
+
+
+def test_runs_cut_at_gaps_files_and_size(tmp_path) -> None:
+    """``BatchedReads.runs``: adjacent bytes of one file form a run, cut at a gap, at a
+    change of file, at a repeated range and every ``most`` bytes."""
+    builder = TableBuilder()
+    layout = [("a", 0, 10), ("a", 10, 20), ("a", 30, 40), ("b", 0, 10), ("b", 10, 20), ("a", 20, 30),
+              ("a", 20, 30), ("b", 20, 30)]
+    for k, (file, start, end) in enumerate(layout):
+        builder.chunk(builder.tensor(f"t{k}", "uint8", [end - start]), file, start, end,
+                      [f"xxh3_64:{k:016x}"], [0], [end - start])
+    table = builder.build(["a", "b"], 1 << 24)
+    batch = batchread.BatchedReads(table)
+    for k in range(len(layout)):
+        batch.add(None, table["t" + str(k)].only_chunk, torch.zeros(10, dtype=torch.uint8))  # type: ignore[arg-type]
+    got = [(table.file_names[f], lo, hi, sorted(m)) for f, lo, hi, m in batch.runs(most=1000)]
+    assert got == [("a", 0, 30, [0, 1, 5]), ("a", 20, 40, [2, 6]), ("b", 0, 30, [3, 4, 7])]
+    assert [(lo, hi) for _, lo, hi, _ in batch.runs(most=15)] == [(0, 20), (20, 30), (20, 40), (0, 20), (20, 30)]

@@ -16,6 +16,7 @@ ALGORITHM = "xxh3_64"
 
 STRONG = "xxh3_128"
 _HEXDIGEST = {ALGORITHM: xxhash.xxh3_64_hexdigest, STRONG: xxhash.xxh3_128_hexdigest}
+_DIGEST = {ALGORITHM: xxhash.xxh3_64_digest, STRONG: xxhash.xxh3_128_digest}
 _HASHER = {ALGORITHM: xxhash.xxh3_64, STRONG: xxhash.xxh3_128}
 RELEASE_GIL_FROM = 64 << 10  # xxhash 3.x's one-shot functions hold the GIL; hash objects release it
 
@@ -26,10 +27,21 @@ def checksum(data, algorithm: str = ALGORITHM) -> str:
     save's hashing must not stall the training thread); smaller data takes the cheaper
     one-shot call (which xxhash >= 4 also runs without the GIL above 64 KiB). Both give
     the same digest."""
-    n = data.nbytes if isinstance(data, memoryview) else len(data)
-    if n >= RELEASE_GIL_FROM:
+    if _nbytes(data) >= RELEASE_GIL_FROM:
         return f"{algorithm}:{_HASHER[algorithm](data).hexdigest()}"
     return f"{algorithm}:{_HEXDIGEST[algorithm](data)}"
+
+
+def digest(data, algorithm: str = ALGORITHM) -> bytes:
+    """The raw bytes of ``checksum``'s hex digits (as format 3's tables store them), with
+    the same rule for releasing the GIL."""
+    if _nbytes(data) >= RELEASE_GIL_FROM:
+        return _HASHER[algorithm](data).digest()
+    return _DIGEST[algorithm](data)
+
+
+def _nbytes(data) -> int:
+    return data.nbytes if isinstance(data, memoryview) else len(data)
 
 
 def matches(data, expected: str) -> bool:

@@ -271,6 +271,10 @@ class TensorTable(Mapping[str, "TableEntry"]):
     def __contains__(self, name: object) -> bool:
         return name in self.index
 
+    def get(self, name: str, default: Any = None) -> Any:  # Mapping's get goes through a KeyError
+        i = self.index.get(name)
+        return default if i is None else TableEntry(self, i)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 
@@ -398,6 +402,12 @@ class TableEntry:
     def tied_to(self) -> str | None:
         tied = self.table._tied[self.i]
         return None if tied < 0 else self.table.names[tied]
+
+    @property
+    def only_chunk(self) -> int:
+        """The table row of the tensor's chunk when it has exactly one, else -1."""
+        first = self.table._first
+        return first[self.i] if first[self.i + 1] - first[self.i] == 1 else -1
 
     @property
     def chunks(self) -> list["Chunk"]:

@@ -22,6 +22,7 @@ from ..errors import CorruptCheckpointError
 from ..format.compact import TableEntry, TensorTable
 from ..format.manifest import Chunk, Manifest
 from ..format.plan import Box, byte_runs, overlap, volume
+from .batchread import BatchedReads
 from .state import Read
 from ..storage import Storage
 from ..format.tensors import byte_view, dtype_from_name
@@ -66,6 +67,12 @@ def chunks_needed(reads: list[Read]) -> list[list[Chunk]]:
     return out
 
 
+def _whole(dest: torch.Tensor, dtype: torch.dtype, box: Box | None, shape: list[int]) -> bool:
+    """``box`` is the whole of a tensor of ``shape``, read into a contiguous CPU tensor of its dtype."""
+    return (dest.is_cpu and dest.dtype == dtype and dest.is_contiguous() and list(dest.shape) == shape
+            and (box is None or (not any(box[0]) and list(box[1]) == shape)))
+
+
 def _relative(inner: Box, outer_offsets: tuple[int, ...]) -> Box:
     return tuple(o - b for o, b in zip(inner[0], outer_offsets)), inner[1]
 
@@ -85,13 +92,19 @@ class TensorReader:
 
     # -- planning --------------------------------------------------------------------
     def run(self, reads: list[Read]) -> None:
-        """Fill every ``Read``: its ``dest`` in place, or a new tensor in ``result``."""
-        jobs: list[_Job] = []
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Fill every ``Read``: its ``dest`` in place, or a new tensor in ``result``.
+        Small whole tensors of format-3 tables go in batches (``batchread``), the rest
+        chunk by chunk."""
+        below, most = self._coalescing()
+        batches: dict[int, BatchedReads] = {}
+        general: list[tuple[Read, torch.Tensor]] = []
         fresh: dict[tuple, torch.Tensor] = {}
-        for read, chunks in zip(reads, chunks_needed(reads)):
+        dtypes: dict[str, torch.dtype] = {}
+        for read in reads:
             entry = read.entry
-            dtype = dtype_from_name(entry.dtype, read.name)
+            dtype = dtypes.get(entry.dtype)
+            if dtype is None:
+                dtype = dtypes[entry.dtype] = dtype_from_name(entry.dtype, read.name)
             if read.dest is None:
                 # format 1 ties tensors by their shared chunks; format 2, whose distinct
                 # tensors may share chunks by content, names the tie
@@ -103,13 +116,40 @@ class TensorReader:
                 read.result = fresh[key] = torch.empty(entry.shape, dtype=dtype)
             dest = read.dest if read.dest is not None else read.result
             assert dest is not None  # a fresh tensor was made just above
-            self._plan_read(read.name, chunks, dest, read_box(read), dtype, jobs, copies)
+            if type(entry) is TableEntry and entry.only_chunk >= 0 and _whole(dest, dtype, read.box, entry.shape):
+                batch = batches.get(id(entry.table))
+                if batch is None:
+                    batch = batches[id(entry.table)] = BatchedReads(entry.table)
+                batch.add(read, entry.only_chunk, dest)
+            else:
+                general.append((read, dest))
+        for batch in batches.values():
+            general += batch.keep_below(below)
+        batches = {k: b for k, b in batches.items() if b.rows}
+        jobs: list[_Job] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for (read, dest), chunks in zip(general, chunks_needed([r for r, _ in general])):
+            self._plan_read(read.name, chunks, dest, read_box(read), dtype_from_name(read.entry.dtype, read.name),
+                            jobs, copies)
         if self.verify:
-            self.check_headers({j.chunk.file for j in jobs})
-        self._execute(jobs)
+            self.check_headers({j.chunk.file for j in jobs}.union(*(b.files() for b in batches.values())))
+        for batch in batches.values():
+            batch.run(self._read_into, self.verify, most, READ_THREADS, self._batch_failed(batch))
+        self._execute(jobs, below, most)
         with torch.no_grad():
             for target, tmp in copies:
                 target.copy_(tmp)
+
+    def _batch_failed(self, batch: BatchedReads) -> Callable[[int, int, memoryview], None]:
+        """What a batch calls when a tensor fails its checksum: the general check's error."""
+        def failed(k: int, row: int, data: memoryview) -> None:
+            self._check(batch.reads[k].name, batch.table.chunks_at([row])[0], 0, data)
+        return failed
+
+    def _coalescing(self) -> tuple[int, int]:
+        """(pieces below this size are read together, the most bytes one read gathers)."""
+        below = getattr(self.storage, "merge_reads_below", COALESCE_BELOW)
+        return below, max(COALESCE_MAX, 2 * below)
 
     def _plan_read(self, name: str, chunks: list[Chunk], dest: torch.Tensor, box: Box,
                    dtype: torch.dtype, jobs: list[_Job], copies: list) -> None:
@@ -140,12 +180,10 @@ class TensorReader:
                 f"{list(box[0])}+{list(box[1])}")
 
     # -- execution -------------------------------------------------------------------
-    def _execute(self, jobs: list[_Job]) -> None:
+    def _execute(self, jobs: list[_Job], below: int, most: int) -> None:
         """Read (and check) runs of jobs on a few threads: reads release the GIL, and on
         object stores each one is a round trip worth overlapping."""
         jobs.sort(key=lambda j: (j.chunk.file, j.chunk.start))
-        below = getattr(self.storage, "merge_reads_below", COALESCE_BELOW)
-        most = max(COALESCE_MAX, 2 * below)
         runs: list[list[_Job]] = []
         i = 0
         while i < len(jobs):

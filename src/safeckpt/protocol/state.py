@@ -181,9 +181,14 @@ class LoadPlanner:
         self.dtypes: dict[str, tuple[torch.dtype, torch.dtype]] = {}          # key -> (state, checkpoint)
         self.early: list[tuple[Any, Thunk, str]] = []  # objects loaded before any tensor is read
         self._loaded: list[tuple[Any, Any]] = []  # (object, its state before) for undo()
+        self._dtypes: dict[str, torch.dtype] = {}  # the checkpoint's dtype names, resolved
 
     def plan(self, target: Any, node: Any, key: str = "", mode: str = "state") -> Thunk:
-        if type(target) in _PLAIN_TENSORS and codec.tag_of(node) != "$local":  # the common case, decided fast
+        if type(target) is dict and mode == "state" and type(node) is dict:  # the common cases, decided fast
+            tag = codec.tag_of(node)
+            if tag in ("object", "$dict", "$odict"):
+                return self._plan_container_into(target, node, key, tag)
+        if type(target) in _PLAIN_TENSORS and codec.tag_of(node) != "$local":
             shape = target.shape
             boxed = (target, list(shape), ((0,) * len(shape), tuple(shape)))
             return self._plan_tensor_into(target, boxed, node, key, mode)
@@ -287,7 +292,8 @@ class LoadPlanner:
             return lambda: target
         saved = dict(codec.items_of(node, key, self.allow_pickle))
         current = dict(target.items()) if isinstance(target, dict) else dict(enumerate(target))
-        children = {k: self.plan(current[k], saved[k], codec.child_key(key, k)) for k in current if k in saved}
+        children = {k: self.plan(v, saved[k], codec.child_key(key, k)) for k, v in current.items()
+                    if k in saved and not (type(v) in _PLAIN_TENSORS and self._read_in_place(v, saved[k]))}
         for k in (k for k in current if k not in saved):
             self.missing.append(codec.child_key(key, k))
             self._report(codec.child_key(key, k), "missing from the checkpoint")
@@ -304,6 +310,22 @@ class LoadPlanner:
                 target[k] = v
             return target
         return build
+
+    def _read_in_place(self, target: torch.Tensor, node: Any) -> bool:
+        """Plan the common case, a plain tensor saved with its shape and dtype, without a
+        key or a thunk (it is read in place: nothing to build); anything else is left to
+        ``plan``, which reports it."""
+        name = node.get("$tensor") if type(node) is dict and len(node) == 1 else None
+        entry = self.tensors.get(name) if type(name) is str else None
+        if entry is None:
+            return False
+        dtype = self._dtypes.get(entry.dtype)
+        if dtype is None:
+            dtype = self._dtypes[entry.dtype] = dtype_from_name(entry.dtype, name)
+        if target.dtype != dtype or list(target.shape) != entry.shape:
+            return False
+        self.reads.append(Read(name, entry, target))
+        return True
 
     def _plan_container_fresh(self, target: Any, node: Any, key: str, tag: str) -> Thunk:
         current: dict = {}

@@ -98,7 +98,7 @@ class BatchedReads:
         file, lo, hi, members = run
         t = self.table
         buf = np.empty(hi - lo, dtype=np.uint8)  # uninitialised: every byte is read over
-        view = memoryview(buf)
+        view = memoryview(buf)  # type: ignore[arg-type]  # an ndarray is a buffer
         read_into(t.file_names[file], lo, view)
         base = buf.ctypes.data
         rows = [self.rows[k] for k in members]

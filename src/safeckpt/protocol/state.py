@@ -316,7 +316,9 @@ class LoadPlanner:
         key or a thunk (it is read in place: nothing to build); anything else is left to
         ``plan``, which reports it."""
         name = node.get("$tensor") if type(node) is dict and len(node) == 1 else None
-        entry = self.tensors.get(name) if type(name) is str else None
+        if not isinstance(name, str):
+            return False
+        entry = self.tensors.get(name)
         if entry is None:
             return False
         dtype = self._dtypes.get(entry.dtype)

@@ -8,6 +8,7 @@ chunks carry ``xxh3_128`` (the same speed); a reader checks whichever a checksum
 from __future__ import annotations
 
 import re
+from typing import Any, Callable
 
 import xxhash
 
@@ -27,21 +28,17 @@ def checksum(data, algorithm: str = ALGORITHM) -> str:
     save's hashing must not stall the training thread); smaller data takes the cheaper
     one-shot call (which xxhash >= 4 also runs without the GIL above 64 KiB). Both give
     the same digest."""
-    if _nbytes(data) >= RELEASE_GIL_FROM:
+    n = data.nbytes if isinstance(data, memoryview) else len(data)
+    if n >= RELEASE_GIL_FROM:
         return f"{algorithm}:{_HASHER[algorithm](data).hexdigest()}"
     return f"{algorithm}:{_HEXDIGEST[algorithm](data)}"
 
 
-def digest(data, algorithm: str = ALGORITHM) -> bytes:
-    """The raw bytes of ``checksum``'s hex digits (as format 3's tables store them), with
-    the same rule for releasing the GIL."""
-    if _nbytes(data) >= RELEASE_GIL_FROM:
-        return _HASHER[algorithm](data).digest()
-    return _DIGEST[algorithm](data)
-
-
-def _nbytes(data) -> int:
-    return data.nbytes if isinstance(data, memoryview) else len(data)
+def raw_digest(algorithm: str) -> Callable[[Any], bytes]:
+    """The one-shot function giving the raw bytes of ``checksum``'s hex digits (as format
+    3's tables store them). It holds the GIL: for many small pieces hashed in a loop on
+    several threads, where releasing and retaking it for each would cost more."""
+    return _DIGEST[algorithm]
 
 
 def matches(data, expected: str) -> bool:

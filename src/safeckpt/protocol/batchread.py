@@ -19,10 +19,24 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..format.checksum import digest
+from ..format.checksum import raw_digest
 from ..format.compact import ALGORITHM_WIDTH, TensorTable
 from .state import Read
 
+def _memcpy_holding_the_gil() -> Callable[[int, int, int], object]:
+    """libc's ``memcpy`` called without releasing the GIL. ``ctypes.memmove`` releases it,
+    and with several reading threads each small copy then waits to take it back (up to a
+    switch interval): that convoy, not the copying, cost most of a load of small tensors."""
+    try:
+        memcpy = ctypes.PyDLL(None).memcpy
+    except (AttributeError, OSError, TypeError):  # no process-wide symbols (Windows)
+        return ctypes.memmove
+    memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    memcpy.restype = ctypes.c_void_p
+    return memcpy
+
+
+_memcpy = _memcpy_holding_the_gil()
 ReadInto = Callable[[str, int, memoryview], None]
 Failed = Callable[[int, int, memoryview], None]  # member, chunk row, its bytes: raises the reader's error
 
@@ -100,17 +114,26 @@ class BatchedReads:
         buf = np.empty(hi - lo, dtype=np.uint8)  # uninitialised: every byte is read over
         view = memoryview(buf)  # type: ignore[arg-type]  # an ndarray is a buffer
         read_into(t.file_names[file], lo, view)
-        base = buf.ctypes.data
-        rows = [self.rows[k] for k in members]
-        starts, lengths = t.c_start[rows].tolist(), t.c_length[rows].tolist()
+        rows = np.asarray([self.rows[k] for k in members], dtype=np.int64)
+        offs, lengths = (t.c_start[rows] - lo).tolist(), t.c_length[rows].tolist()
         if verify:
-            at, algs = t.digest_at[rows].tolist(), t.c_alg[rows].tolist()
-            digests, names = t.digests, t.algorithms
-        for m, (k, start, n) in enumerate(zip(members, starts, lengths)):
-            off = start - lo
-            if verify:
-                alg = names[algs[m]]
-                data = view[off:off + n]
-                if digest(data, alg) != digests[at[m]:at[m] + ALGORITHM_WIDTH[alg]]:
-                    failed(k, rows[m], data)
-            ctypes.memmove(self.dests[k].data_ptr(), base + off, n)
+            self._check(rows, [view[a:a + n] for a, n in zip(offs, lengths)], members, failed)
+        base, dests = buf.ctypes.data, self.dests
+        for k, a, n in zip(members, offs, lengths):
+            _memcpy(dests[k].data_ptr(), base + a, n)
+
+    def _check(self, rows: np.ndarray, pieces: list[memoryview], members: list[int], failed: Failed) -> None:
+        """Compare the pieces' digests with the table's, all at once per algorithm."""
+        t = self.table
+        algs = t.c_alg[rows]
+        for a in np.unique(algs).tolist():
+            name = t.algorithms[a]
+            width, hash_of = ALGORITHM_WIDTH[name], raw_digest(name)
+            ks = np.flatnonzero(algs == a)
+            want = np.frombuffer(t.digests, dtype=np.uint8)[
+                (t.digest_at[rows[ks]][:, None] + np.arange(width)).ravel()].tobytes()
+            got = b"".join([hash_of(pieces[k]) for k in ks.tolist()])
+            if got != want:
+                bad = next(k for j, k in enumerate(ks.tolist()) if got[j * width:(j + 1) * width]
+                           != want[j * width:(j + 1) * width])
+                failed(members[bad], int(rows[bad]), pieces[bad])

@@ -184,10 +184,13 @@ class LoadPlanner:
         self._dtypes: dict[str, torch.dtype] = {}  # the checkpoint's dtype names, resolved
 
     def plan(self, target: Any, node: Any, key: str = "", mode: str = "state") -> Thunk:
-        if type(target) is dict and mode == "state" and type(node) is dict:  # the common cases, decided fast
-            tag = codec.tag_of(node)
+        if type(node) is dict and (target is None or (type(target) is dict and mode == "state")):
+            tag = codec.tag_of(node)  # the common cases, decided fast: a plain dict or a fresh value
             if tag in ("object", "$dict", "$odict"):
-                return self._plan_container_into(target, node, key, tag)
+                return (self._plan_container_fresh if target is None else self._plan_container_into)(
+                    target, node, key, tag)
+            if tag == "$tensor" and target is None:
+                return self._fresh_tensor(node, key)
         if type(target) in _PLAIN_TENSORS and codec.tag_of(node) != "$local":
             shape = target.shape
             boxed = (target, list(shape), ((0,) * len(shape), tuple(shape)))
@@ -290,16 +293,19 @@ class LoadPlanner:
         if (tag in ("object", "$dict", "$odict")) != isinstance(target, dict):
             self._report(key, f"the state has a {type(target).__name__}, the checkpoint a {describe(node)}")
             return lambda: target
-        saved = dict(codec.items_of(node, key, self.allow_pickle))
-        current = dict(target.items()) if isinstance(target, dict) else dict(enumerate(target))
+        saved = node if tag == "object" else dict(codec.items_of(node, key, self.allow_pickle))
+        current = target if isinstance(target, dict) else dict(enumerate(target))
         children = {k: self.plan(v, saved[k], codec.child_key(key, k)) for k, v in current.items()
                     if k in saved and not (type(v) in _PLAIN_TENSORS and self._read_in_place(v, saved[k]))}
-        for k in (k for k in current if k not in saved):
-            self.missing.append(codec.child_key(key, k))
-            self._report(codec.child_key(key, k), "missing from the checkpoint")
-        for k in (k for k in saved if k not in current):
-            self.unexpected.append(codec.child_key(key, k))
-            self._report(codec.child_key(key, k), "in the checkpoint but not in the state")
+        if current.keys() != saved.keys():
+            for k in (k for k in current if k not in saved):
+                self.missing.append(codec.child_key(key, k))
+                self._report(codec.child_key(key, k), "missing from the checkpoint")
+            for k in (k for k in saved if k not in current):
+                self.unexpected.append(codec.child_key(key, k))
+                self._report(codec.child_key(key, k), "in the checkpoint but not in the state")
+        if not children:  # every value read in place (or none): nothing to put back
+            return lambda: target
 
         def build() -> Any:
             values = {k: th() for k, th in children.items()}

@@ -187,8 +187,9 @@ class LoadPlanner:
         if type(node) is dict and (target is None or (type(target) is dict and mode == "state")):
             tag = codec.tag_of(node)  # the common cases, decided fast: a plain dict or a fresh value
             if tag in ("object", "$dict", "$odict"):
-                return (self._plan_container_fresh if target is None else self._plan_container_into)(
-                    target, node, key, tag)
+                if target is None:
+                    return self._plan_container_fresh(target, node, key, tag)
+                return self._plan_container_into(target, node, key, tag)
             if tag == "$tensor" and target is None:
                 return self._fresh_tensor(node, key)
         if type(target) in _PLAIN_TENSORS and codec.tag_of(node) != "$local":

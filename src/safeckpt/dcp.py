@@ -54,7 +54,7 @@ from .protocol.commit import (check_visible, data_file_name, describe_error, fil
 from .protocol.datafile import WrittenPiece, plan_layout, write_data_file
 from .errors import (CheckpointError, CorruptCheckpointError, SaveAbortedError,
                      UnsupportedFeatureError)
-from .format.manifest import Chunk, DcpRecord, FileEntry, Manifest, TensorEntry, encode_values
+from .format.manifest import WRITE_VERSION, Chunk, DcpRecord, FileEntry, Manifest, TensorEntry, encode_values
 from .format.plan import PlanError, check_coverage
 from .protocol.reader import TensorReader
 from .protocol.state import Read, flatten
@@ -324,7 +324,7 @@ class Writer(StorageWriter, BlockingAsyncStager):
             tree = _merge_extra(tree, extra, chunks, dtypes, tensors)
         return Manifest(save_id=self.save_id or "", seq=self.seq, created=time.time(), world_size=len(results),
                         files=files, tensors=tensors, tree=tree, step=self.step, metadata=self.metadata,
-                        dcp=DcpRecord({fqn: list(p) for fqn, p in paths.items()}, flattened, sorted(bytesio)))
+                        version=WRITE_VERSION, dcp=DcpRecord({fqn: list(p) for fqn, p in paths.items()}, flattened, sorted(bytesio)))
 
 
 def _merge_extra(tree: dict, extra: _Extra, chunks: dict[str, list[Chunk]], dtypes: dict[str, str],
@@ -336,7 +336,7 @@ def _merge_extra(tree: dict, extra: _Extra, chunks: dict[str, list[Chunk]], dtyp
     for name in extra.names:  # one whole chunk each
         tensors[name] = TensorEntry(dtypes[name], list(chunks[name][0].shape), chunks[name])
     for alias, first in extra.aliases.items():
-        tensors[alias] = tensors[first]
+        tensors[alias] = dataclasses.replace(tensors[first], tied_to=first)
     return {**tree, **extra.tree}
 
 

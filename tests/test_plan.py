@@ -3,11 +3,19 @@
 import pytest
 import torch
 
+from safeckpt.format.pieces import PieceColumns
 from safeckpt.format.plan import PieceInfo, PlanError, assign_writes, byte_runs, check_coverage, overlap
 
 
 def _piece(name, kind="replicated", offsets=(0,), shape=(4,), global_shape=(4,), nbytes=16):
     return PieceInfo(name, kind, "float32", tuple(global_shape), tuple(offsets), tuple(shape), nbytes)
+
+
+def _assign(per_rank: list[list[PieceInfo]]) -> list[list[PieceInfo]]:
+    """``assign_writes`` on the ranks' columns: what each rank writes, in order."""
+    plan = assign_writes([PieceColumns.of(pieces) for pieces in per_rank])
+    return [[plan.pieces.info(j) for j in plan.rows[plan.at[r]:plan.at[r + 1]].tolist()]
+            for r in range(len(per_rank))]
 
 
 def test_overlap_of_boxes():
@@ -33,7 +41,7 @@ def test_byte_runs_read_exactly_the_sub_box(shape, sub):
 
 def test_replicated_pieces_are_written_once_and_balanced_by_bytes():
     pieces = [_piece(f"t{i}", nbytes=n) for i, n in enumerate([100, 90, 50, 40, 10, 10])]
-    out = assign_writes([list(pieces) for _ in range(3)])
+    out = _assign([list(pieces) for _ in range(3)])
     written = sorted(p.name for rank in out for p in rank)
     assert written == sorted(p.name for p in pieces)
     loads = [sum(p.nbytes for p in rank) for rank in out]
@@ -43,15 +51,15 @@ def test_replicated_pieces_are_written_once_and_balanced_by_bytes():
 def test_a_shard_is_written_by_its_holder_and_duplicates_once():
     a = _piece("w", "shard", (0,), (2,))
     b = _piece("w", "shard", (2,), (2,))
-    out = assign_writes([[a], [b], [b]])  # ranks 1 and 2 hold the same box (Replicate)
+    out = _assign([[a], [b], [b]])  # ranks 1 and 2 hold the same box (Replicate)
     assert out[0] == [a] and len(out[1]) + len(out[2]) == 1
 
 
 def test_inconsistent_pieces_and_missing_replicas_are_plan_errors():
     with pytest.raises(PlanError, match="rank 1"):
-        assign_writes([[_piece("w")], [_piece("w", global_shape=(5,), shape=(5,))]])
+        _assign([[_piece("w")], [_piece("w", global_shape=(5,), shape=(5,))]])
     with pytest.raises(PlanError, match="missing on rank"):
-        assign_writes([[_piece("w")], []])
+        _assign([[_piece("w")], []])
 
 
 @pytest.mark.parametrize("boxes", [

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import operator
 import time
 from dataclasses import dataclass, field
@@ -32,10 +31,11 @@ from .incremental import ChunkDigest, Source, Stored, chunk_key, digest_pieces, 
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError,
                      UnsupportedFormatError)
 from .group import SingleGroup, TorchGroup
-from ..format.compact import TableBuilder
+from ..format.compact import Checksums, ChunkColumns, TableBuilder
 from ..format.manifest import (WRITE_VERSION, Chunk, FileEntry, Manifest, encode_manifest, is_shared, manifest_name,
                        manifest_seq)
-from ..format.plan import PieceInfo, PlanError, assign_writes, check_tilings
+from ..format.pieces import PieceColumns
+from ..format.plan import PlanError, WritePlan, assign_writes, check_shards
 from .state import FlatState
 from ..storage import Storage
 
@@ -48,7 +48,7 @@ class Intent:
 
     url: str
     step: int | None
-    pieces: list[PieceInfo]
+    pieces: PieceColumns  # columns, not an object per piece: rank 0 plans them all with numpy
     aliases: dict[str, str]
     tree: Any
     error: str | None = None
@@ -69,12 +69,36 @@ class Assignment:
 
 
 @dataclass
+class Written:
+    """A rank's ``WrittenPiece`` list as columns, in the order of its data file (which
+    is the order of its ``Assignment.write``): byte ranges and block checksums."""
+
+    start: np.ndarray
+    end: np.ndarray
+    sums: Checksums
+
+    @classmethod
+    def of(cls, pieces: list[WrittenPiece]) -> "Written":
+        n = len(pieces)
+        return cls(np.fromiter(map(_START, pieces), np.int64, n), np.fromiter(map(_END, pieces), np.int64, n),
+                   Checksums.parse(list(map(_CHECKSUMS, pieces))))
+
+
+@dataclass
 class Report:
     """Phase 2, every rank to rank 0."""
 
     file: FileEntry | None = None
     written: list[WrittenPiece] = field(default_factory=list)
     error: str | None = None
+    columns: Written | None = None  # ``written`` as columns, as a rank sends it (``compact``)
+
+    def compact(self) -> "Report":
+        """This report with its pieces as columns: small to send, quick for rank 0."""
+        return Report(self.file, [], self.error, Written.of(self.written))
+
+    def pieces(self) -> Written:
+        return self.columns if self.columns is not None else Written.of(self.written)
 
 
 def describe_error(exc: BaseException) -> str:
@@ -117,6 +141,7 @@ class SaveRun:
         self.local_error: BaseException | None = None
         self.old: Manifest | None = None
         self.tree: Any = None  # rank 0: the merged tree of every rank
+        self.plan: WritePlan | None = None  # rank 0: who writes which piece
         self.committed = False
         self.where = storage.url  # what the ranks must agree they save to
 
@@ -128,7 +153,7 @@ class SaveRun:
         every rank's intent (rank 0 only) and what this rank writes. Raises, on every
         rank, when the save is refused or failed."""
         flat = self._guard(flatten)
-        intent = Intent(self.where, self.step, [p.info for p in flat.pieces.values()] if flat else [],
+        intent = Intent(self.where, self.step, PieceColumns.of([p.info for p in flat.pieces.values()] if flat else []),
                         flat.aliases if flat else {}, flat.tree if flat else None,
                         describe_error(self.local_error) if self.local_error else None,
                         flat.has_local if flat else False)
@@ -145,7 +170,7 @@ class SaveRun:
         """Phases 2 and 3: write this rank's data file, then rank 0 commits."""
         report = self._write(flat, mine)
         try:
-            reports = self.group.gather(report)
+            reports = self.group.gather(self._sent(report))
             outcome = self._commit(intents, cast("list[Report]", reports), mine) \
                 if self.group.rank == 0 else None
             outcome = self.group.broadcast(outcome)
@@ -158,6 +183,12 @@ class SaveRun:
                 self._remove(report.file.name)
             self._raise(*outcome)
         return outcome
+
+    def _sent(self, report: Report) -> Report:
+        """What this rank sends rank 0: the pieces of a full save as columns. One process
+        keeps its objects (a staged save fills their checksums in place) and incremental
+        saves their chunks."""
+        return report.compact() if self.group.size > 1 and self.chunk_size is None else report
 
     # -- phase 1 ---------------------------------------------------------------------
     def _guard(self, fn: Any) -> Any:
@@ -186,14 +217,15 @@ class SaveRun:
     def _assign(self, intents: list[Intent]) -> list[Assignment]:
         _check_agreement(intents)
         self.tree = merge_trees([i.tree for i in intents], has_local=any(i.has_local for i in intents))
-        per_rank = assign_writes([i.pieces for i in intents])
-        _check_shards(per_rank)
+        plan = assign_writes([i.pieces for i in intents])
+        check_shards(plan)
         self.old, max_seq = self.existing(self.storage)
         refuse_existing(self.storage, self.old, max_seq, self.overwrite)
         if self.chunk_size is not None and self.base is not None:
             self.index = reuse_index(self.base(), self.chunk_size)
         save_id, seq = self.new_save_id(), max_seq + 1
-        return [Assignment(save_id, seq, [p.name for p in pieces]) for pieces in per_rank]
+        self.plan = plan
+        return [Assignment(save_id, seq, plan.names(rank)) for rank in range(len(intents))]
 
     # -- phase 2a: incremental saves -----------------------------------------------------
     def _deduplicate(self, flat: FlatState, mine: Assignment) -> None:
@@ -283,7 +315,7 @@ class SaveRun:
         if incremental:
             self._add_chunks(intents, reports, files, table)
         else:
-            self._add_pieces(intents, reports, table)
+            self._add_pieces(cast(WritePlan, self.plan), reports, table)
         for intent in intents:
             for alias, first in intent.aliases.items():
                 table.alias(alias, first)
@@ -294,16 +326,36 @@ class SaveRun:
                         run_id=self.run_id, block_size=block, version=WRITE_VERSION)
 
     @staticmethod
-    def _add_pieces(intents: list[Intent], reports: list[Report], table: TableBuilder) -> None:
-        """Every piece a rank wrote is one chunk."""
-        for intent, rep in zip(intents, reports):
-            infos = {p.name: p for p in intent.pieces}  # this rank's boxes
-            if rep.file is None:  # a rank that wrote nothing
-                continue
-            written = rep.written
-            pieces = list(map(infos.__getitem__, map(_NAME, written)))
-            table.chunks(rep.file.name, table.indices(pieces), list(map(_START, written)), list(map(_END, written)),
-                         list(map(_CHECKSUMS, written)), list(map(_OFFSETS, pieces)), list(map(_SHAPE, pieces)))
+    def _add_pieces(plan: WritePlan, reports: list[Report], table: TableBuilder) -> None:
+        """Every piece a rank wrote is one chunk: its box from the plan, its bytes and
+        checksums from the rank's report (in the plan's order), added as columns."""
+        p = plan.pieces
+        files, counts, written = [], [], []
+        for rank, rep in enumerate(reports):
+            given = int(plan.at[rank + 1] - plan.at[rank])
+            cols = rep.pieces() if rep.file is not None else None
+            if (0 if cols is None else len(cols.start)) != given:
+                raise SaveAbortedError(f"rank {rank} reported other pieces than the {given} it was given to write")
+            if cols is not None:
+                files.append(cast(FileEntry, rep.file).name)
+                counts.append(given)
+                written.append(cols)
+        rows = plan.rows
+        code = p.code[rows]
+        seen, at = np.unique(code, return_index=True)
+        tensors = seen[np.argsort(at)]  # in order of first sight
+        lead = p.first[tensors]
+        index = np.zeros(len(p.names), dtype=np.int64)
+        index[tensors] = [table.tensor(p.names[c], p.dtypes[d], tuple(shape[:k])) for c, d, shape, k in
+                          zip(tensors.tolist(), p.dtype[lead].tolist(), p.global_shape[lead].tolist(),
+                              p.ndim[lead].tolist())]
+        ndim = p.ndim[rows].astype(np.int64)
+        real = np.arange(p.offsets.shape[1]) < ndim[:, None]  # the dimensions that are not padding
+        table.add(ChunkColumns(files, np.repeat(np.arange(len(files), dtype=np.int64), counts), index[code],
+                               np.concatenate([w.start for w in written] or [np.zeros(0, np.int64)]),
+                               np.concatenate([w.end for w in written] or [np.zeros(0, np.int64)]),
+                               Checksums.join([w.sums for w in written]), ndim, p.offsets[rows][real],
+                               p.shape[rows][real]))
 
     def _add_chunks(self, intents: list[Intent], reports: list[Report], files: dict[str, FileEntry],
                     table: TableBuilder) -> None:
@@ -313,7 +365,7 @@ class SaveRun:
             for i, w in zip(self.writes[rank], rep.written):  # written pieces imply a file
                 written[(rank, i)] = Chunk(cast(FileEntry, rep.file).name, w.start, w.end, w.checksums, [], [])
         for rank, digests in enumerate(self.digests):
-            infos = {p.name: p for p in intents[rank].pieces}
+            infos = {p.name: p for p in intents[rank].pieces.infos()}
             for i, d in enumerate(digests):
                 held = written.get((rank, i))
                 if held is None:
@@ -445,27 +497,6 @@ def _check_agreement(intents: list[Intent]) -> None:
                 f"rank {rank} step {intent.step} to {intent.url} (did a rank resume from another checkpoint?)")
 
 
-def _check_shards(per_rank: list[list[PieceInfo]]) -> None:
-    """The boxes of every sharded tensor tile it. ``per_rank`` is ``assign_writes``'s
-    answer, which holds each distinct box once; checked in one batch per number of
-    dimensions (``plan.check_tilings``)."""
-    pieces = [p for pieces in per_rank for p in pieces if p.kind == "shard"]
-    ranks = set(map(len, map(_GLOBAL_SHAPE, pieces)))
-    by_rank = {k: pieces for k in ranks} if len(ranks) == 1 else \
-        {k: [p for p in pieces if len(p.global_shape) == k] for k in ranks}
-    for k, batch in by_rank.items():  # C-level maps: this runs once per piece of the job
-        names = list(map(_NAME, batch))
-        shapes = dict(zip(names, map(_GLOBAL_SHAPE, batch)))  # one per tensor, in first-seen order
-        index = {name: i for i, name in enumerate(shapes)}
-        tensor = np.fromiter(map(index.__getitem__, names), np.int64, len(names))
-        offsets = np.fromiter(itertools.chain.from_iterable(map(_OFFSETS, batch)), np.int64, len(batch) * k)
-        extents = np.fromiter(itertools.chain.from_iterable(map(_SHAPE, batch)), np.int64, len(batch) * k)
-        check_tilings(list(shapes), list(shapes.values()), tensor, offsets.reshape(len(batch), k),
-                      extents.reshape(len(batch), k))
-
-
-_NAME, _GLOBAL_SHAPE = operator.attrgetter("name"), operator.attrgetter("global_shape")
-_OFFSETS, _SHAPE = operator.attrgetter("offsets"), operator.attrgetter("shape")
 _START, _END, _CHECKSUMS = operator.attrgetter("start"), operator.attrgetter("end"), operator.attrgetter("checksums")
 
 

@@ -128,7 +128,7 @@ class Checksums:
 def _take_ragged(flat: np.ndarray, lengths: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """Rows ``rows`` of ``flat``, whose row ``i`` is the next ``lengths[i]`` values."""
     if len(lengths) and (lengths == lengths[0]).all():  # rows of one length: a reshape
-        return flat.reshape(len(lengths), int(lengths[0]))[rows].reshape(-1)
+        return np.take(flat.reshape(len(lengths), int(lengths[0])), rows, axis=0).reshape(-1)
     at = np.concatenate(([0], np.cumsum(lengths)))[:-1].astype(np.int64)
     return flat[segments(at[rows], lengths[rows])]
 
@@ -151,6 +151,8 @@ class ChunkColumns:
 
     @classmethod
     def join(cls, parts: "list[ChunkColumns]") -> "ChunkColumns":
+        if len(parts) == 1:
+            return parts[0]
         files: dict[str, int] = {}
         file = [np.asarray([files.setdefault(f, len(files)) for f in p.files] or [0], dtype=np.int64)[p.file]
                 for p in parts]
@@ -257,7 +259,7 @@ class TableBuilder:
         chunks = ChunkColumns.join(self.parts)
         if self.aliases:
             chunks = self._with_aliases(chunks)
-        chunks = chunks.take(np.argsort(chunks.tensor, kind="stable"))
+        chunks = chunks.take(np.argsort(chunks.tensor, kind="stable"))  # tensor after tensor
         file_index = {n: i for i, n in enumerate(file_names)}
         files = np.asarray([file_index[f] for f in chunks.files] or [0], dtype=np.int64)
         sums = chunks.sums

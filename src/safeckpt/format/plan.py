@@ -99,12 +99,13 @@ def assign_writes(pieces_by_rank: list[PieceColumns]) -> WritePlan:
     load = (bytes_at[p.starts[1:]] - bytes_at[p.starts[:-1]]).tolist()
     shared = np.flatnonzero(size > 1)
     given = _spread(p, rows, start[shared], size[shared], load)
-    own = np.flatnonzero(mask)
-    position = np.arange(n, dtype=np.int64)  # the write order: local pieces, single boxes, given boxes
-    position[single] += n
-    position[given] = 2 * n + np.arange(len(given))
-    out = np.concatenate((own, given))
-    out = out[np.argsort(p.rank[out] * (3 * n + 1) + position[out], kind="stable")]
+    out = np.flatnonzero(mask)
+    if len(given) or (single.any() and len(held) < n):  # else the rows are in that order already
+        position = np.arange(n, dtype=np.int64)  # the write order: local pieces, single boxes, given boxes
+        position[single] += n
+        position[given] = 2 * n + np.arange(len(given))
+        out = np.concatenate((out, given))
+        out = out[np.argsort(p.rank[out] * (3 * n + 1) + position[out], kind="stable")]
     return WritePlan(p, out, np.searchsorted(p.rank[out], np.arange(world + 1)).astype(np.int64))
 
 
@@ -147,8 +148,10 @@ def segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def _check_agreement(p: AllPieces) -> None:
     """Every piece of a tensor has the kind, dtype and global shape of its first piece."""
     ref = p.first[p.code]
-    bad = (p.kind != p.kind[ref]) | (p.dtype != p.dtype[ref]) | (p.ndim != p.ndim[ref]) | \
-        (p.global_shape != p.global_shape[ref]).any(axis=1)
+    bad = (p.kind != p.kind[ref]) | (p.dtype != p.dtype[ref]) | (p.ndim != p.ndim[ref])
+    for d in range(p.global_shape.shape[1]):  # a column at a time: quicker than along short rows
+        col = p.global_shape[:, d]
+        bad |= col != col[ref]
     found = np.flatnonzero(bad)
     if found.size:
         j = int(found[0])
@@ -163,11 +166,12 @@ def _group_boxes(p: AllPieces, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray
     (stable: each group in row order) and where each group starts. One int64 key per
     row, from the columns that differ between pieces of a tensor (each compressed to
     its distinct values only when the key would overflow)."""
-    code = p.code[rows]
+    every = len(rows) == len(p)  # no rank-local pieces: no gathers
+    code = p.code if every else p.code[rows]
     ref = p.first[code]
     key, bound = code, max(len(p.names), 1)
     for col in (a[:, d] for a in (p.offsets, p.shape) for d in range(a.shape[1])):
-        values = col[rows]
+        values = col if every else col[rows]
         if not (values != col[ref]).any():  # the same in every piece of a tensor: implied by it
             continue
         lo = int(values.min())
@@ -206,13 +210,12 @@ def check_shards(plan: WritePlan) -> None:
     for k in np.unique(ndim).tolist():
         batch = rows[ndim == k]
         code = p.code[batch]
-        seen, at = np.unique(code, return_index=True)
-        tensors = seen[np.argsort(at)]  # in order of first sight
+        tensors = np.flatnonzero(np.bincount(code, minlength=len(p.names)))
         local = np.zeros(len(p.names), dtype=np.int64)
         local[tensors] = np.arange(len(tensors))
         check_tilings([p.names[c] for c in tensors.tolist()],
                       [tuple(s) for s in p.global_shape[p.first[tensors], :k].tolist()],
-                      local[code], p.offsets[batch, :k], p.shape[batch, :k])
+                      local[code], np.take(p.offsets[:, :k], batch, axis=0), np.take(p.shape[:, :k], batch, axis=0))
 
 
 def check_coverage(name: str, global_shape: tuple[int, ...], boxes: list[Box]) -> None:

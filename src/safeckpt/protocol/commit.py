@@ -34,7 +34,7 @@ from .group import SingleGroup, TorchGroup
 from ..format.compact import Checksums, ChunkColumns, TableBuilder
 from ..format.manifest import (WRITE_VERSION, Chunk, FileEntry, Manifest, encode_manifest, is_shared, manifest_name,
                        manifest_seq)
-from ..format.pieces import PieceColumns
+from ..format.pieces import PieceColumns, unpad
 from ..format.plan import PlanError, WritePlan, assign_writes, check_shards
 from .state import FlatState
 from ..storage import Storage
@@ -350,12 +350,11 @@ class SaveRun:
                           zip(tensors.tolist(), p.dtype[lead].tolist(), p.global_shape[lead].tolist(),
                               p.ndim[lead].tolist())]
         ndim = p.ndim[rows].astype(np.int64)
-        real = np.arange(p.offsets.shape[1]) < ndim[:, None]  # the dimensions that are not padding
         table.add(ChunkColumns(files, np.repeat(np.arange(len(files), dtype=np.int64), counts), index[code],
                                np.concatenate([w.start for w in written] or [np.zeros(0, np.int64)]),
                                np.concatenate([w.end for w in written] or [np.zeros(0, np.int64)]),
-                               Checksums.join([w.sums for w in written]), ndim, p.offsets[rows][real],
-                               p.shape[rows][real]))
+                               Checksums.join([w.sums for w in written]), ndim, unpad(p.offsets, rows, ndim),
+                               unpad(p.shape, rows, ndim)))
 
     def _add_chunks(self, intents: list[Intent], reports: list[Report], files: dict[str, FileEntry],
                     table: TableBuilder) -> None:

@@ -24,6 +24,7 @@ from typing import Any, cast
 import numpy as np
 
 from ..errors import CorruptCheckpointError
+from .pieces import first_seen
 from .plan import Box, PlanError, check_tilings, segments
 from .records import Chunk, TensorEntry
 from .tensors import MAX_DIMS, dtype_from_name
@@ -263,8 +264,7 @@ class TableBuilder:
         file_index = {n: i for i, n in enumerate(file_names)}
         files = np.asarray([file_index[f] for f in chunks.files] or [0], dtype=np.int64)
         sums = chunks.sums
-        seen, at = np.unique(sums.algorithm, return_index=True)
-        used = seen[np.argsort(at)]  # the algorithms in order of first use
+        used = first_seen(sums.algorithm, len(sums.algorithms))  # the algorithms in order of first use
         relabel = np.zeros(len(sums.algorithms) or 1, dtype=np.int64)
         relabel[used] = np.arange(len(used))
         ndim = np.asarray([len(s) for s in self.t_shape], dtype=np.int64)

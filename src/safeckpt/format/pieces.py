@@ -53,6 +53,14 @@ def pad(a: np.ndarray, width: int, fill: int) -> np.ndarray:
     return np.hstack((a, np.full((len(a), width - a.shape[1]), fill, dtype=np.int64)))
 
 
+def first_seen(code: np.ndarray, n: int) -> np.ndarray:
+    """The distinct values of ``code`` (each in ``range(n)``) in order of first sight."""
+    at = np.full(n, len(code), dtype=np.int64)
+    np.minimum.at(at, code, np.arange(len(code), dtype=np.int64))
+    seen = np.flatnonzero(at < len(code))
+    return seen[np.argsort(at[seen])]
+
+
 def unpad(a: np.ndarray, rows: np.ndarray, ndim: np.ndarray) -> np.ndarray:
     """Rows ``rows`` of padded ``a``, the first ``ndim[i]`` values of each, back to back."""
     taken = np.take(a, rows, axis=0)  # far quicker than a[rows] for short rows
@@ -135,13 +143,17 @@ class AllPieces:
         for c in ranks:
             remap = np.asarray([dtypes.setdefault(d, len(dtypes)) for d in c.dtypes] or [0], dtype=np.int16)
             dtype.append(remap[c.dtype])
-        join = np.concatenate
+        def join(parts: list[np.ndarray], empty: np.ndarray) -> np.ndarray:
+            return np.concatenate(parts) if parts else empty
+
+        def boxes(field: str, fill: int) -> np.ndarray:
+            return join([pad(getattr(c, field), width, fill) for c in ranks], np.zeros((0, width), np.int64))
+
         return cls(names, codes, first, np.repeat(np.arange(len(ranks), dtype=np.int64), sizes), starts,
-                   join([c.kind for c in ranks] or [np.zeros(0, np.int8)]), list(dtypes),
-                   join(dtype or [np.zeros(0, np.int16)]), join([c.ndim for c in ranks] or [np.zeros(0, np.int8)]),
-                   *(join([pad(getattr(c, f), width, fill) for c in ranks] or [np.zeros((0, width), np.int64)])
-                     for f, fill in (("global_shape", 1), ("offsets", 0), ("shape", 1))),
-                   join([c.nbytes for c in ranks] or [np.zeros(0, np.int64)]))
+                   join([c.kind for c in ranks], np.zeros(0, np.int8)), list(dtypes),
+                   join(dtype, np.zeros(0, np.int16)), join([c.ndim for c in ranks], np.zeros(0, np.int8)),
+                   boxes("global_shape", 1), boxes("offsets", 0), boxes("shape", 1),
+                   join([c.nbytes for c in ranks], np.zeros(0, np.int64)))
 
     def __len__(self) -> int:
         return len(self.code)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .pieces import LOCAL, REPLICATED, SHARD, AllPieces, PieceColumns, PieceInfo
+from .pieces import LOCAL, REPLICATED, SHARD, AllPieces, PieceColumns, first_seen
+from .pieces import PieceInfo as PieceInfo  # the plan's input, imported from here
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -133,7 +134,8 @@ def _spread(p: AllPieces, rows: np.ndarray, start: np.ndarray, size: np.ndarray,
         r = min(holder[begin[g]:stop[g]], key=weight)
         load[r] += nbytes[g]
         chosen[g] = r
-    return rows[at[holders == np.repeat(np.asarray(chosen, dtype=np.int64), size)]][turn]  # one row per group (ranks differ), by turn
+    mine = holders == np.repeat(np.asarray(chosen, dtype=np.int64), size)  # one row per group: its ranks differ
+    return rows[at[mine]][turn]
 
 
 def segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -210,7 +212,7 @@ def check_shards(plan: WritePlan) -> None:
     for k in np.unique(ndim).tolist():
         batch = rows[ndim == k]
         code = p.code[batch]
-        tensors = np.flatnonzero(np.bincount(code, minlength=len(p.names)))
+        tensors = first_seen(code, len(p.names))
         local = np.zeros(len(p.names), dtype=np.int64)
         local[tensors] = np.arange(len(tensors))
         check_tilings([p.names[c] for c in tensors.tolist()],

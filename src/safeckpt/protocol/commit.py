@@ -1,11 +1,12 @@
 """The save protocol over a group of ranks (one process is a group of one).
 
-1. Every rank flattens its state and sends rank 0 a description (never tensor data).
-   Rank 0 checks that the ranks agree (path, step, shared values, shapes), draws the
-   save id, and assigns each distinct piece to exactly one rank, balanced by bytes.
+1. Every rank flattens its state and sends rank 0 a description (never tensor data;
+   its pieces as columns, ``PieceColumns``). Rank 0 checks that the ranks agree (path,
+   step, shared values, shapes), draws the save id, and assigns each distinct piece to
+   exactly one rank, balanced by bytes (numpy over every rank's pieces at once).
 2. Every rank writes and fsyncs one data file named with the save id and its rank,
-   and reports sizes and checksums. Rank 0 checks it can see every file (shared
-   storage), then writes the manifest last.
+   and reports sizes and checksums (as columns, ``Written``). Rank 0 checks it can see
+   every file (shared storage), then writes the manifest last.
    Incremental saves first hash their chunks; rank 0 answers which are new, and the
    manifest references the others where an earlier checkpoint of the run holds them.
 3. Rank 0 broadcasts the outcome. On any failure nobody commits: every rank deletes
@@ -34,7 +35,7 @@ from .group import SingleGroup, TorchGroup
 from ..format.compact import Checksums, ChunkColumns, TableBuilder
 from ..format.manifest import (WRITE_VERSION, Chunk, FileEntry, Manifest, encode_manifest, is_shared, manifest_name,
                        manifest_seq)
-from ..format.pieces import PieceColumns, unpad
+from ..format.pieces import PieceColumns, first_seen, unpad
 from ..format.plan import PlanError, WritePlan, assign_writes, check_shards
 from .state import FlatState
 from ..storage import Storage
@@ -153,7 +154,8 @@ class SaveRun:
         every rank's intent (rank 0 only) and what this rank writes. Raises, on every
         rank, when the save is refused or failed."""
         flat = self._guard(flatten)
-        intent = Intent(self.where, self.step, PieceColumns.of([p.info for p in flat.pieces.values()] if flat else []),
+        pieces = self._guard(lambda: PieceColumns.of([p.info for p in flat.pieces.values()] if flat else []))
+        intent = Intent(self.where, self.step, pieces if pieces is not None else PieceColumns.of([]),
                         flat.aliases if flat else {}, flat.tree if flat else None,
                         describe_error(self.local_error) if self.local_error else None,
                         flat.has_local if flat else False)
@@ -170,7 +172,7 @@ class SaveRun:
         """Phases 2 and 3: write this rank's data file, then rank 0 commits."""
         report = self._write(flat, mine)
         try:
-            reports = self.group.gather(self._sent(report))
+            reports = self.group.gather(report)
             outcome = self._commit(intents, cast("list[Report]", reports), mine) \
                 if self.group.rank == 0 else None
             outcome = self.group.broadcast(outcome)
@@ -183,12 +185,6 @@ class SaveRun:
                 self._remove(report.file.name)
             self._raise(*outcome)
         return outcome
-
-    def _sent(self, report: Report) -> Report:
-        """What this rank sends rank 0: the pieces of a full save as columns. One process
-        keeps its objects (a staged save fills their checksums in place) and incremental
-        saves their chunks."""
-        return report.compact() if self.group.size > 1 and self.chunk_size is None else report
 
     # -- phase 1 ---------------------------------------------------------------------
     def _guard(self, fn: Any) -> Any:
@@ -255,11 +251,12 @@ class SaveRun:
 
     # -- phase 2 ---------------------------------------------------------------------
     def _write(self, flat: FlatState | None, mine: Assignment) -> Report:
+        """Write this rank's data file; the report it sends rank 0 (or its error)."""
         if not mine.write:
             return Report()
         name = data_file_name(mine.save_id, self.group.rank)
         try:
-            return self._write_file(cast(FlatState, flat), mine, name)  # a rank with writes has pieces
+            return self._sent(self._write_file(cast(FlatState, flat), mine, name))  # a rank with writes has pieces
         except BaseException as exc:
             if not isinstance(exc, FileExistsError):
                 self._remove(name)
@@ -267,6 +264,12 @@ class SaveRun:
                 raise
             self.local_error = exc
             return Report(error=describe_error(exc))
+
+    def _sent(self, report: Report) -> Report:
+        """What this rank sends rank 0: the pieces of a full save as columns. One process
+        keeps its objects (a staged save fills their checksums in place) and incremental
+        saves their chunks."""
+        return report.compact() if self.group.size > 1 and self.chunk_size is None else report
 
     def _write_file(self, flat: FlatState, mine: Assignment, name: str) -> Report:
         """Write this rank's data file ``name``; its entry and where each piece landed."""
@@ -342,8 +345,7 @@ class SaveRun:
                 written.append(cols)
         rows = plan.rows
         code = p.code[rows]
-        seen, at = np.unique(code, return_index=True)
-        tensors = seen[np.argsort(at)]  # in order of first sight
+        tensors = first_seen(code, len(p.names))
         lead = p.first[tensors]
         index = np.zeros(len(p.names), dtype=np.int64)
         index[tensors] = [table.tensor(p.names[c], p.dtypes[d], tuple(shape[:k])) for c, d, shape, k in

@@ -260,7 +260,8 @@ class TableBuilder:
         chunks = ChunkColumns.join(self.parts)
         if self.aliases:
             chunks = self._with_aliases(chunks)
-        chunks = chunks.take(np.argsort(chunks.tensor, kind="stable"))  # tensor after tensor
+        if (chunks.tensor[1:] < chunks.tensor[:-1]).any():  # tensor after tensor (rank 0 adds them so)
+            chunks = chunks.take(np.argsort(chunks.tensor, kind="stable"))
         file_index = {n: i for i, n in enumerate(file_names)}
         files = np.asarray([file_index[f] for f in chunks.files] or [0], dtype=np.int64)
         sums = chunks.sums

@@ -343,20 +343,23 @@ class SaveRun:
                 files.append(cast(FileEntry, rep.file).name)
                 counts.append(given)
                 written.append(cols)
-        rows = plan.rows
-        code = p.code[rows]
+        code = p.code[plan.rows]
         tensors = first_seen(code, len(p.names))
         lead = p.first[tensors]
         index = np.zeros(len(p.names), dtype=np.int64)
         index[tensors] = [table.tensor(p.names[c], p.dtypes[d], tuple(shape[:k])) for c, d, shape, k in
                           zip(tensors.tolist(), p.dtype[lead].tolist(), p.global_shape[lead].tolist(),
                               p.ndim[lead].tolist())]
+        tensor = index[code]
+        order = np.argsort(tensor, kind="stable")  # tensor after tensor, as the table holds them
+        rows = plan.rows[order]
         ndim = p.ndim[rows].astype(np.int64)
-        table.add(ChunkColumns(files, np.repeat(np.arange(len(files), dtype=np.int64), counts), index[code],
-                               np.concatenate([w.start for w in written] or [np.zeros(0, np.int64)]),
-                               np.concatenate([w.end for w in written] or [np.zeros(0, np.int64)]),
-                               Checksums.join([w.sums for w in written]), ndim, unpad(p.offsets, rows, ndim),
-                               unpad(p.shape, rows, ndim)))
+        empty = np.zeros(0, np.int64)
+        table.add(ChunkColumns(files, np.repeat(np.arange(len(files), dtype=np.int64), counts)[order], tensor[order],
+                               np.concatenate([w.start for w in written] or [empty])[order],
+                               np.concatenate([w.end for w in written] or [empty])[order],
+                               Checksums.join([w.sums for w in written]).take(order), ndim,
+                               unpad(p.offsets, rows, ndim), unpad(p.shape, rows, ndim)))
 
     def _add_chunks(self, intents: list[Intent], reports: list[Report], files: dict[str, FileEntry],
                     table: TableBuilder) -> None:

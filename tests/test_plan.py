@@ -295,3 +295,19 @@ def test_rank_0_builds_the_table_from_the_reports_the_ranks_send():
     reports[1] = Report(FileEntry("f1", 64, 1, 64, digest), []).compact()
     with pytest.raises(SaveAbortedError, match="rank 1 reported other pieces than the 1"):
         SaveRun._add_pieces(plan, reports, TableBuilder())
+
+
+def test_the_grid_check_decides_alike_in_any_row_order():
+    """Rows in tensor order (a decoded table) skip the sort; any other order sorts."""
+    import numpy as np
+    from safeckpt.format.plan import grid_tensors
+    grid = [((r, c), (2, 3)) for r in (0, 2) for c in (0, 3)]
+    rows = [((r, 0), (1, 6)) for r in range(4)]
+    pinwheel = [((0, 0), (2, 1)), ((0, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 0), (1, 2)), ((1, 1), (1, 1))]
+    shifted = grid[:3] + [((2, 2), (2, 3))]
+    t, o, s = _batch([grid, rows, pinwheel, shifted, [((0, 0), (0, 6))]])
+    assert grid_tensors(t, o, s, 5).tolist() == [True, True, False, False, True]
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        perm = rng.permutation(len(t))
+        assert grid_tensors(t[perm], o[perm], s[perm], 5).tolist() == [True, True, False, False, True]

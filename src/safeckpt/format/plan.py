@@ -322,10 +322,17 @@ def _intervals(t: np.ndarray, lo: np.ndarray, hi: np.ndarray, n: int, ok: np.nda
 
 def _distinct(tensor: np.ndarray, values: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The distinct (tensor, value) pairs (values >= 0), sorted: the first row of each,
-    and each row's pair's position. One sort of a combined key where it fits."""
+    and each row's pair's position. One sort of a combined key where it fits, none where
+    the rows are in that order already (a decoded table's: tensor after tensor, each
+    tensor's chunks in the order its ranks wrote them)."""
     top = int(values.max()) + 1 if len(values) else 1
     if n * top < 2**62:
-        _, first, inverse = np.unique(tensor * top + values, return_index=True, return_inverse=True)
+        key = tensor * top + values
+        if (key[1:] >= key[:-1]).all():
+            new = np.ones(len(key), dtype=bool)
+            new[1:] = key[1:] != key[:-1]
+            return np.flatnonzero(new), np.cumsum(new) - 1
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
         return first, inverse.reshape(-1)
     order = np.lexsort((values, tensor))
     ts, vs = tensor[order], values[order]

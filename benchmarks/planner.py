@@ -1,11 +1,14 @@
 """How planning scales: rank 0's work for a simulated job of many ranks, in one process.
 
 For R ranks x T tensors (defaults 1,024 x 2,000, i.e. ~2 million pieces) this times
-the steps rank 0 runs on the metadata of a save: assigning every piece to a writer
+the steps rank 0 runs on the metadata of a save, from what the ranks send it (each rank's
+pieces as `pieces.PieceColumns`, its report's written pieces as `commit.Written`, built
+untimed as the ranks build them): assigning every piece to a writer
 (`plan.assign_writes`), checking that the shards of each tensor tile it
-(`commit._check_shards`, vectorized in `plan.check_tilings`), building the format-3 tensor
+(`plan.check_shards`, vectorized in `plan.check_tilings`), building the format-3 tensor
 table from the ranks' reports (`commit.SaveRun._add_pieces` into a `compact.TableBuilder`)
-and encoding the manifest. Then one
+and encoding the manifest. It also shows (not in rank 0's sum) what unpickling the
+gathered intents and reports costs rank 0. Then one
 rank's side of a load: decoding and checking that manifest, and planning its load (the
 chunks that meet its box of every tensor, `TableEntry.meeting`). It also times the
 replicated case (DDP: every rank holds every tensor, each written once in total) and,
@@ -19,14 +22,16 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import pickle
 import time
 
 from safeckpt.format.checksum import checksum
-from safeckpt.protocol.commit import Intent, Report, SaveRun, _check_shards
+from safeckpt.protocol.commit import Intent, Report, SaveRun
 from safeckpt.protocol.datafile import WrittenPiece
 from safeckpt.format.compact import TableBuilder
 from safeckpt.format.manifest import FileEntry, Manifest, decode_manifest, encode_manifest
-from safeckpt.format.plan import PieceInfo, assign_writes
+from safeckpt.format.pieces import PieceColumns
+from safeckpt.format.plan import PieceInfo, WritePlan, assign_writes, check_shards
 
 
 def sharded(ranks: int, tensors: int) -> list[list[PieceInfo]]:
@@ -43,28 +48,36 @@ def replicated(ranks: int, tensors: int) -> list[list[PieceInfo]]:
     return [list(pieces) for _ in range(ranks)]
 
 
-def reports_for(per_rank: list[list[PieceInfo]]) -> tuple[list[Intent], list[Report]]:
-    """What the ranks send rank 0 after writing (input, not timed): each rank's assigned
-    pieces and its report (data file, every piece's byte range and checksum)."""
-    intents, reports = [], []
+def intents_for(per_rank: list[list[PieceInfo]]) -> list[Intent]:
+    """What the ranks send rank 0 before writing (input, not timed): their pieces as columns."""
+    return [Intent("url", None, PieceColumns.of(pieces), {}, {}) for pieces in per_rank]
+
+
+def reports_for(plan: WritePlan) -> list[Report]:
+    """What the ranks send rank 0 after writing (input, not timed): each rank's report
+    (data file, every piece's byte range and checksum), compacted as a rank sends it."""
+    reports = []
     n = 0
-    for rank, pieces in enumerate(per_rank):
+    for rank in range(len(plan.at) - 1):
+        sizes = plan.pieces.nbytes[plan.rows[plan.at[rank]:plan.at[rank + 1]]].tolist()
+        if not sizes:
+            reports.append(Report())
+            continue
         name = f"data-0123456789abcdef0000-r{rank:05d}.safetensors"
-        starts = list(itertools.accumulate((p.nbytes for p in pieces), initial=64))
-        written = [WrittenPiece(p.name, a, b, [f"xxh3_64:{n + i:016x}"])
-                   for i, (p, a, b) in enumerate(zip(pieces, starts, starts[1:]))]
-        n += len(pieces)
-        intents.append(Intent("url", None, pieces, {}, {}))
-        reports.append(Report(FileEntry(name, starts[-1], rank, 64, checksum(name.encode())), written))
-    return intents, reports
+        starts = list(itertools.accumulate(sizes, initial=64))
+        written = [WrittenPiece(p, a, b, [f"xxh3_64:{n + i:016x}"])
+                   for i, (p, a, b) in enumerate(zip(plan.names(rank), starts, starts[1:]))]
+        n += len(sizes)
+        reports.append(Report(FileEntry(name, starts[-1], rank, 64, checksum(name.encode())), written).compact())
+    return reports
 
 
-def manifest_for(intents: list[Intent], reports: list[Report]) -> Manifest:
+def manifest_for(plan: WritePlan, reports: list[Report]) -> Manifest:
     """What rank 0 builds from the reports: ``SaveRun._add_pieces`` into a tensor table."""
     files = {rep.file.name: rep.file for rep in reports if rep.file is not None}
     table = TableBuilder()
-    SaveRun._add_pieces(intents, reports, table)
-    return Manifest("0123456789abcdef0000", 1, time.time(), len(intents), files, table.build(list(files), 1 << 24),
+    SaveRun._add_pieces(plan, reports, table)
+    return Manifest("0123456789abcdef0000", 1, time.time(), len(reports), files, table.build(list(files), 1 << 24),
                     {}, version=3)
 
 
@@ -97,21 +110,23 @@ def measure(kind: str, make, ranks: int, tensors: int, quiet: bool = False) -> d
     """Time rank 0's planning and one rank's load planning for one kind of job."""
     if not quiet:
         print(f"{kind}: {ranks} ranks x {tensors} tensors")
-    per_rank = timed("describe pieces (input)", lambda: make(ranks, tensors), quiet)
+    intents = timed("describe pieces (input)", lambda: intents_for(make(ranks, tensors)), quiet)
     rank0: list[float] = []
-    writes = timed("assign writers", lambda: assign_writes(per_rank), quiet, rank0)
-    timed("check shard coverage", lambda: _check_shards(writes), quiet, rank0)
-    intents, reports = reports_for(writes)  # the ranks' reports: input, like the pieces
-    manifest = timed("build tensor table", lambda: manifest_for(intents, reports), quiet, rank0)
+    plan = timed("assign writers", lambda: assign_writes([i.pieces for i in intents]), quiet, rank0)
+    timed("check shard coverage", lambda: check_shards(plan), quiet, rank0)
+    reports = reports_for(plan)  # the ranks' reports: input, like the pieces
+    sent = [pickle.dumps(x) for x in intents + reports]
+    timed("(receive: unpickle what the ranks sent)", lambda: list(map(pickle.loads, sent)), quiet)
+    manifest = timed("build tensor table", lambda: manifest_for(plan, reports), quiet, rank0)
     data = timed("encode manifest", lambda: encode_manifest(manifest), quiet, rank0)
     one: list[float] = []
     decoded = timed("decode + check (coverage) manifest", lambda: decode_manifest(data, "manifest"), quiet, one)
     chunks = timed("plan one rank's load", lambda: plan_load(decoded, ranks // 2, ranks), quiet, one)
     rank0_s, load = sum(rank0), sum(one)
-    pieces = sum(map(len, writes))
+    pieces = len(plan.rows)
     if not quiet:
         print(f"  {'rank 0: plan + build + encode':<40} {rank0_s:7.2f} s CPU   manifest {len(data) / 2**20:.1f} MiB"
-              f" ({len(data) / pieces:.1f} B/piece), {pieces} pieces written (of {sum(map(len, per_rank))} held)")
+              f" ({len(data) / pieces:.1f} B/piece), {pieces} pieces written (of {len(plan.pieces)} held)")
         print(f"  {'one rank: decode + plan its load':<40} {load:7.2f} s CPU   {chunks} chunks to read")
     return {"rank0": rank0_s, "load": load, "mib": len(data) / 2**20, "pieces": pieces}
 

@@ -308,3 +308,41 @@ def test_table_queries_match_the_per_tensor_entries():
     assert m.shared_bytes() == entries.shared_bytes() > 0
     for name in m.files:
         assert m.chunks_in(name) == entries.chunks_in(name) and m.chunks_in(name)
+
+
+def test_the_builder_takes_chunks_one_by_one_or_as_columns_alike():
+    """Rank 0 adds a large job's chunks as columns (``TableBuilder.add``); the table must
+    be the one chunk-by-chunk calls build: tensor order, chunk order within a tensor,
+    ties, 0-d and empty boxes, several blocks per chunk and two checksum algorithms."""
+    from safeckpt.format.compact import Checksums, ChunkColumns, TableBuilder
+    chunks = [  # tensor, file, start, end, checksums, offsets, shape
+        ("w", "f1", 8, 24, ["xxh3_64:" + "11" * 8, "xxh3_64:" + "12" * 8], [2, 0], [2, 2]),
+        ("s", "f0", 0, 4, ["xxh3_128:" + "21" * 16], [], []),
+        ("w", "f0", 4, 20, ["xxh3_64:" + "31" * 8], [0, 0], [2, 2]),
+        ("e", "f1", 24, 24, ["xxh3_64:" + "41" * 8], [0, 0], [0, 5]),
+    ]
+    shapes = {"w": ([4, 2], "float32"), "s": ([], "int32"), "e": ([0, 5], "float32")}
+
+    def table(columns: bool) -> dict:
+        b = TableBuilder()
+        index = {n: b.tensor(n, shapes[n][1], shapes[n][0]) for n in ("w", "s", "e")}
+        b.chunk(index["w"], "f0", 0, 0, ["xxh3_64:" + "00" * 8], [0, 0], [0, 2])  # one by one, then columns
+        if columns:
+            files = sorted({c[1] for c in chunks})
+            b.add(ChunkColumns(files, np.asarray([files.index(c[1]) for c in chunks]),
+                               np.asarray([index[c[0]] for c in chunks]), np.asarray([c[2] for c in chunks]),
+                               np.asarray([c[3] for c in chunks]), Checksums.parse([c[4] for c in chunks]),
+                               np.asarray([len(c[5]) for c in chunks]),
+                               np.asarray([x for c in chunks for x in c[5]], dtype=np.int64),
+                               np.asarray([x for c in chunks for x in c[6]], dtype=np.int64)))
+        else:
+            for name, *rest in chunks:
+                b.chunk(index[name], *rest)
+        b.alias("tied", "w")
+        return b.build(["f0", "f1"], 8).encode()
+
+    built = table(columns=True)
+    assert built == table(columns=False)
+    assert built["algorithms"] == ["xxh3_64", "xxh3_128"] and built["names"] == ["w", "s", "e", "tied"]
+    with pytest.raises(ValueError, match="mixes checksum algorithms"):
+        Checksums.parse([["xxh3_64:" + "00" * 8, "xxh3_128:" + "00" * 16]])

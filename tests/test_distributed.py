@@ -41,7 +41,7 @@ RUN_ENV = {"SAFECKPT_TIMEOUT": "30", "DIST_WORKER_STEP_TIMEOUT": "60"}
 LAUNCH_TIMEOUT = 150.0
 
 SAVES_4 = ["replicated_save", "rows_save", "even_save", "dtensor_save_1d", "dtensor_save_2d", "fsdp_save",
-           "ranklocal_save", "differ", "raise", "disagree", "nonshared", "manager", "regions_save"]
+           "ranklocal_save", "differ", "bad_shards", "raise", "disagree", "nonshared", "manager", "regions_save"]
 LOADS_3 = ["replicated_load", "rows_load3", "ranklocal_load3", "regions_load3"]
 LOADS_2 = ["rows_load2", "dtensor_load2", "fsdp_load2"]
 
@@ -370,6 +370,19 @@ def test_a_rank_failing_to_write_aborts_every_rank_and_removes_the_data(four):
             return f"data of the failed save was left behind: before {d['before']}, after {got['after']}"
         return None
     every_rank(four.results("raise"), check, "rank 1's storage failing mid-write (ENOSPC)")
+
+
+def test_shards_that_do_not_tile_abort_the_save(four, root):
+    """Rank 0 plans every rank's boxes at once: an overlap (with a gap as large) and a box
+    two ranks hold (written once, leaving a gap) abort the save on every rank, naming the
+    tensor; nothing is committed or left behind."""
+    res = four.results("bad_shards")
+    every_rank(res, lambda r, d: aborted(d["overlap"], "'v'", "pieces overlap (and leave a gap as large)"),
+               "shards that overlap")
+    every_rank(res, lambda r, d: aborted(d["gap"], "'v'", "cover 48 of 64 elements"), "shards that leave a gap")
+    for name in ("overlap", "gap"):
+        assert manifests_under(root / f"bad_shards_{name}") == []
+        assert data_files_under(root / f"bad_shards_{name}") == []
 
 
 def test_ranks_disagreeing_on_step_or_path_abort(four, root):

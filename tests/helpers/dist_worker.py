@@ -426,6 +426,21 @@ def sc_differ(ctx: Ctx) -> dict:
     return out
 
 
+def sc_bad_shards(ctx: Ctx) -> dict:
+    """Shards that do not tile their tensor: rank 3 holds rows 10-13 of 16 (rank 2 holds
+    8-11: an overlap, and rows 14-15 held by nobody), then rows 4-7 again (rank 1's box,
+    written once: a gap)."""
+    import safeckpt
+    from safeckpt import Shard
+    out = {}
+    for name, start in (("overlap", 10), ("gap", 4)):
+        first = start if ctx.rank == 3 else 4 * ctx.rank
+        state = {"v": Shard(V_full()[first:first + 4].clone(), (16, 4), [first, 0]), "b": BIAS()}
+        out[name] = caught(lambda: safeckpt.save(state, str(ctx.root / f"bad_shards_{name}")))
+        ctx.barrier()
+    return out
+
+
 def sc_raise(ctx: Ctx) -> dict:
     """A rank raises inside ``state_dict()`` (rank 2, then rank 0), and a rank's storage
     fails after a partial write (rank 1): every rank raises, nothing changes on disk."""

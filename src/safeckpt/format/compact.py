@@ -16,15 +16,16 @@ import binascii
 import functools
 import itertools
 import math
-import operator
 import zlib
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from .plan import Box, PieceInfo, PlanError, check_tilings
+from .pieces import first_seen
+from .plan import Box, PlanError, check_tilings, segments
 from .records import Chunk, TensorEntry
 from .tensors import MAX_DIMS, dtype_from_name
 
@@ -72,20 +73,104 @@ def _total(a: np.ndarray, where: str, what: str) -> int:
     return int(a.sum())
 
 
-def _segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenated ranges ``[starts[i], starts[i] + lengths[i])``, vectorized."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    base = np.repeat(starts - (ends - lengths), lengths)
-    return base + np.arange(total, dtype=np.int64)
+@dataclass
+class Checksums:
+    """The block checksums of many chunks as columns: chunk ``j``'s raw digests are the
+    next ``size[j]`` bytes of ``digests``, of algorithm ``algorithms[algorithm[j]]``."""
+
+    algorithms: list[str]
+    algorithm: np.ndarray
+    size: np.ndarray
+    digests: bytes
+
+    @classmethod
+    def parse(cls, sums: list[list[str]]) -> "Checksums":
+        """From ``"algorithm:hex digest"`` strings, a list per chunk."""
+        flat = list(itertools.chain.from_iterable(sums))
+        n = len(sums)
+        for alg, width in ALGORITHM_WIDTH.items():  # the common case: one checksum per chunk, one algorithm
+            prefix = alg + ":"
+            if len(flat) == n and set(map(len, flat)) == {len(prefix) + 2 * width} and \
+                    all(map(str.startswith, flat, itertools.repeat(prefix))):
+                return cls([alg], np.zeros(n, dtype=np.int64), np.full(n, width, dtype=np.int64),
+                           bytes.fromhex("".join(flat).replace(prefix, "")))
+        algorithms: list[str] = []
+        c_alg, size, hexes = [], [], []
+        for chunk_sums in sums:
+            alg = chunk_sums[0].partition(":")[0]
+            if alg not in algorithms:
+                algorithms.append(alg)
+            c_alg.append(algorithms.index(alg))
+            digits = 0
+            for text in chunk_sums:
+                a, _, hexdigits = text.partition(":")
+                if a != alg:
+                    raise ValueError(f"a chunk mixes checksum algorithms ({alg}, {a})")
+                hexes.append(hexdigits)
+                digits += len(hexdigits)
+            size.append(digits // 2)
+        return cls(algorithms, np.asarray(c_alg, dtype=np.int64), np.asarray(size, dtype=np.int64),
+                   bytes.fromhex("".join(hexes)))
+
+    @classmethod
+    def join(cls, parts: "list[Checksums]") -> "Checksums":
+        algorithms: dict[str, int] = {}
+        codes = [np.asarray([algorithms.setdefault(a, len(algorithms)) for a in p.algorithms] or [0],
+                            dtype=np.int64)[p.algorithm] for p in parts]
+        return cls(list(algorithms), np.concatenate(codes or [np.zeros(0, np.int64)]),
+                   np.concatenate([p.size for p in parts] or [np.zeros(0, np.int64)]),
+                   b"".join(p.digests for p in parts))
+
+    def take(self, rows: np.ndarray) -> "Checksums":
+        return Checksums(self.algorithms, self.algorithm[rows], self.size[rows],
+                         _take_ragged(np.frombuffer(self.digests, dtype=np.uint8), self.size, rows).tobytes())
+
+
+def _take_ragged(flat: np.ndarray, lengths: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Rows ``rows`` of ``flat``, whose row ``i`` is the next ``lengths[i]`` values."""
+    if len(lengths) and (lengths == lengths[0]).all():  # rows of one length: a reshape
+        return np.take(flat.reshape(len(lengths), int(lengths[0])), rows, axis=0).reshape(-1)
+    at = np.concatenate(([0], np.cumsum(lengths)))[:-1].astype(np.int64)
+    return flat[segments(at[rows], lengths[rows])]
+
+
+@dataclass
+class ChunkColumns:
+    """Chunks as columns: chunk ``j`` of tensor ``tensor[j]`` holds bytes
+    ``start[j]:end[j]`` of file ``files[file[j]]``, and its box is the next ``ndim[j]``
+    values of ``offsets`` and of ``shape``."""
+
+    files: list[str]
+    file: np.ndarray
+    tensor: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    sums: Checksums
+    ndim: np.ndarray
+    offsets: np.ndarray
+    shape: np.ndarray
+
+    @classmethod
+    def join(cls, parts: "list[ChunkColumns]") -> "ChunkColumns":
+        if len(parts) == 1:
+            return parts[0]
+        files: dict[str, int] = {}
+        file = [np.asarray([files.setdefault(f, len(files)) for f in p.files] or [0], dtype=np.int64)[p.file]
+                for p in parts]
+        cat = lambda name: np.concatenate([getattr(p, name) for p in parts] or [np.zeros(0, np.int64)])  # noqa: E731
+        return cls(list(files), np.concatenate(file or [np.zeros(0, np.int64)]), cat("tensor"), cat("start"),
+                   cat("end"), Checksums.join([p.sums for p in parts]), cat("ndim"), cat("offsets"), cat("shape"))
+
+    def take(self, rows: np.ndarray) -> "ChunkColumns":
+        return ChunkColumns(self.files, self.file[rows], self.tensor[rows], self.start[rows], self.end[rows],
+                            self.sums.take(rows), self.ndim[rows], _take_ragged(self.offsets, self.ndim, rows),
+                            _take_ragged(self.shape, self.ndim, rows))
 
 
 class TableBuilder:
     """Collects tensors and their chunks (in any order) into a ``TensorTable``: what a
-    writer fills from its plan, with no per-tensor dataclass. Chunks come in batches of
-    one file (``chunks``), so the per-piece work is a few list operations."""
+    writer fills from its plan, with no per-tensor dataclass. Chunks come one by one
+    (``chunk``) or as columns (``add``: rank 0 of a large job, numpy per batch)."""
 
     def __init__(self) -> None:
         self.names: list[str] = []
@@ -94,8 +179,9 @@ class TableBuilder:
         self.t_dtype: list[int] = []
         self.t_shape: list[Any] = []
         self.t_tied: list[str | None] = []
-        self.c_tensor: list[int] = []
-        self.c_file: list[tuple[str, int]] = []  # (file, how many chunks in a row)
+        self.parts: list[ChunkColumns] = []
+        self.c_tensor: list[int] = []  # chunks added one by one since the last part
+        self.c_file: list[str] = []
         self.c_start: list[int] = []
         self.c_end: list[int] = []
         self.c_sums: list[list[str]] = []
@@ -116,27 +202,39 @@ class TableBuilder:
             self.t_tied.append(tied_to)
         return i
 
-    def indices(self, pieces: list[PieceInfo]) -> list[int]:
-        """The tensor index of each piece, adding the tensors seen for the first time."""
-        out = list(map(self.index.get, map(operator.attrgetter("name"), pieces)))
-        if None in out:
-            out = [self.tensor(p.name, p.dtype, p.global_shape) if i is None else i for i, p in zip(out, pieces)]
-        return cast("list[int]", out)
-
-    def chunks(self, file: str, tensors: list[int], starts: list[int], ends: list[int],
-               checksums: list[list[str]], offsets: list[Any], shapes: list[Any]) -> None:
-        """Chunks of one file: tensor index, byte range, block checksums and box of each."""
-        self.c_tensor += tensors
-        self.c_file.append((file, len(tensors)))
-        self.c_start += starts
-        self.c_end += ends
-        self.c_sums += checksums
-        self.c_offsets += offsets
-        self.c_shape += shapes
-
     def chunk(self, tensor: int, file: str, start: int, end: int, checksums: list[str],
               offsets: Any, shape: Any) -> None:
-        self.chunks(file, [tensor], [start], [end], [checksums], [offsets], [shape])
+        """One chunk: tensor index, file, byte range, block checksums and box."""
+        self.c_tensor.append(tensor)
+        self.c_file.append(file)
+        self.c_start.append(start)
+        self.c_end.append(end)
+        self.c_sums.append(checksums)
+        self.c_offsets.append(offsets)
+        self.c_shape.append(shape)
+
+    def add(self, chunks: ChunkColumns) -> None:
+        """Many chunks at once, after those added before."""
+        self._flush()
+        self.parts.append(chunks)
+
+    def _flush(self) -> None:
+        """The chunks added one by one, as a part."""
+        if not self.c_tensor:
+            return
+        files: dict[str, int] = {}
+        file = np.fromiter((files.setdefault(f, len(files)) for f in self.c_file), np.int64, len(self.c_file))
+        tensor = np.asarray(self.c_tensor, dtype=np.int64)
+        ndim = np.asarray([len(s) for s in self.t_shape], dtype=np.int64)[tensor]
+        count = int(ndim.sum())
+        self.parts.append(ChunkColumns(
+            list(files), file, tensor, np.asarray(self.c_start, dtype=np.int64),
+            np.asarray(self.c_end, dtype=np.int64), Checksums.parse(self.c_sums), ndim,
+            np.fromiter(itertools.chain.from_iterable(self.c_offsets), np.int64, count),
+            np.fromiter(itertools.chain.from_iterable(self.c_shape), np.int64, count)))
+        for pending in (self.c_tensor, self.c_file, self.c_start, self.c_end, self.c_sums, self.c_offsets,
+                        self.c_shape):
+            pending.clear()
 
     def alias(self, name: str, first: str) -> None:
         """``name`` is tied to ``first`` (the same tensor): its own entry, the same chunks
@@ -145,78 +243,41 @@ class TableBuilder:
             src = self.index[first]
             self.aliases.append((self.tensor(name, self.dtypes[self.t_dtype[src]], self.t_shape[src], first), src))
 
-    def _copy_aliased(self) -> None:
-        """Give every alias the chunks of its tensor (one pass over the chunks)."""
-        sources = {src for _, src in self.aliases}
-        files = [f for f, n in self.c_file for _ in range(n)]
-        rows: dict[int, list[int]] = {}
-        for j, t in enumerate(self.c_tensor):
-            if t in sources:
-                rows.setdefault(t, []).append(j)
-        for alias, src in self.aliases:
-            for j in rows.get(src, []):
-                self.chunk(alias, files[j], self.c_start[j], self.c_end[j], self.c_sums[j], self.c_offsets[j],
-                           self.c_shape[j])
-        self.aliases = []
+    def _with_aliases(self, chunks: ChunkColumns) -> ChunkColumns:
+        """Every alias given the chunks of its tensor, appended alias after alias."""
+        order = np.argsort(chunks.tensor, kind="stable")
+        counts = np.bincount(chunks.tensor, minlength=len(self.names))
+        first = np.concatenate(([0], np.cumsum(counts)))
+        alias, src = (np.asarray(c, dtype=np.int64) for c in zip(*self.aliases))
+        copies = chunks.take(order[segments(first[src], counts[src])])
+        copies.tensor = np.repeat(alias, counts[src])
+        return ChunkColumns.join([chunks, copies])
 
     def build(self, file_names: list[str], block_size: int) -> "TensorTable":
         """The table, its chunks naming files by their position in ``file_names`` (the
         manifest's ``files``)."""
+        self._flush()
+        chunks = ChunkColumns.join(self.parts)
         if self.aliases:
-            self._copy_aliased()
+            chunks = self._with_aliases(chunks)
+        if (chunks.tensor[1:] < chunks.tensor[:-1]).any():  # tensor after tensor (rank 0 adds them so)
+            chunks = chunks.take(np.argsort(chunks.tensor, kind="stable"))
         file_index = {n: i for i, n in enumerate(file_names)}
-        tensor = np.asarray(self.c_tensor, dtype=np.int64)
-        order = np.argsort(tensor, kind="stable")
-        counts = np.bincount(tensor, minlength=len(self.names)).astype(np.int64)
-        c_file = np.repeat(np.asarray([file_index[f] for f, _ in self.c_file], dtype=np.int64),
-                           np.asarray([n for _, n in self.c_file], dtype=np.int64))
-        algorithms, c_alg, digests = _digests(self.c_sums, order)
-        starts = np.asarray(self.c_start, dtype=np.int64)
+        files = np.asarray([file_index[f] for f in chunks.files] or [0], dtype=np.int64)
+        sums = chunks.sums
+        used = first_seen(sums.algorithm, len(sums.algorithms))  # the algorithms in order of first use
+        relabel = np.zeros(len(sums.algorithms) or 1, dtype=np.int64)
+        relabel[used] = np.arange(len(used))
         ndim = np.asarray([len(s) for s in self.t_shape], dtype=np.int64)
         tied = [-1 if t is None else self.index[t] for t in self.t_tied]
-        c_ndim = ndim[tensor]
         return TensorTable(
-            self.names, self.dtypes, algorithms, list(file_names), block_size,
-            t_dtype=np.asarray(self.t_dtype, dtype=np.int64), t_ndim=ndim, t_chunks=counts,
+            self.names, self.dtypes, [sums.algorithms[k] for k in used.tolist()], list(file_names), block_size,
+            t_dtype=np.asarray(self.t_dtype, dtype=np.int64), t_ndim=ndim,
+            t_chunks=np.bincount(chunks.tensor, minlength=len(self.names)).astype(np.int64),
             t_tied=np.asarray(tied, dtype=np.int64),
             shape=np.fromiter(itertools.chain.from_iterable(self.t_shape), dtype=np.int64, count=int(ndim.sum())),
-            c_file=c_file[order], c_start=starts[order],
-            c_length=(np.asarray(self.c_end, dtype=np.int64) - starts)[order], c_alg=c_alg,
-            offsets=_ragged(self.c_offsets, c_ndim, order), box=_ragged(self.c_shape, c_ndim, order),
-            digests=digests)
-
-
-def _ragged(rows: list[Any], lengths: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """``rows`` (sequences of ``lengths[i]`` ints) flattened in ``order``."""
-    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
-    if len(rows) and (lengths == lengths[0]).all():  # one rank of tensors: a reshape
-        return flat.reshape(len(rows), int(lengths[0]))[order].ravel()
-    at = np.concatenate(([0], np.cumsum(lengths)))[:-1]
-    return flat[_segments(at[order], lengths[order])]
-
-
-def _digests(sums: list[list[str]], order: np.ndarray) -> tuple[list[str], np.ndarray, bytes]:
-    """The algorithm table, each chunk's algorithm and the raw digests, in ``order``."""
-    flat = list(itertools.chain.from_iterable(sums))
-    for alg, width in ALGORITHM_WIDTH.items():  # the common case: one checksum per chunk, one algorithm
-        prefix = alg + ":"
-        if len(flat) == len(sums) and set(map(len, flat)) == {len(prefix) + 2 * width} and \
-                all(map(str.startswith, flat, itertools.repeat(prefix))):
-            raw = np.frombuffer(bytes.fromhex("".join(flat).replace(prefix, "")), dtype=np.uint8)
-            return [alg], np.zeros(len(sums), dtype=np.int64), raw.reshape(len(sums), width)[order].tobytes()
-    algorithms: list[str] = []
-    c_alg, hexes = [], []
-    for chunk_sums in (sums[i] for i in order.tolist()):
-        alg = chunk_sums[0].partition(":")[0]
-        if alg not in algorithms:
-            algorithms.append(alg)
-        c_alg.append(algorithms.index(alg))
-        for s in chunk_sums:
-            a, _, digits = s.partition(":")
-            if a != alg:
-                raise ValueError(f"a chunk mixes checksum algorithms ({alg}, {a})")
-            hexes.append(digits)
-    return algorithms, np.asarray(c_alg, dtype=np.int64), bytes.fromhex("".join(hexes))
+            c_file=files[chunks.file], c_start=chunks.start, c_length=chunks.end - chunks.start,
+            c_alg=relabel[sums.algorithm], offsets=chunks.offsets, box=chunks.shape, digests=sums.digests)
 
 
 def from_entries(tensors: Mapping[str, "TensorEntry | TableEntry"], file_names: list[str], block_size: int) -> "TensorTable":
@@ -291,7 +352,7 @@ class TensorTable(Mapping[str, "TableEntry"]):
         files, starts = self.c_file[rows].tolist(), self.c_start[rows].tolist()
         lengths, algs = self.c_length[rows].tolist(), self.c_alg[rows].tolist()
         ndim = self.c_ndim[rows]
-        dims = _segments(self.dim_at[rows], ndim)
+        dims = segments(self.dim_at[rows], ndim)
         offsets, boxes, ndims = self.offsets[dims].tolist(), self.box[dims].tolist(), ndim.tolist()
         lo, hi = self.digest_at[rows].tolist(), self.digest_at[rows + 1].tolist()
         names, digests, algorithms = self.file_names, self.digests, self.algorithms
@@ -525,7 +586,7 @@ def _check_boxes(names: list[str], shape: np.ndarray, ndim: np.ndarray, itemsize
     # the tensor dimension each chunk dimension belongs to
     c_ndim = ndim[c_tensor]
     dim_at = np.concatenate(([0], np.cumsum(c_ndim))).astype(np.int64)
-    tdim = _segments(shape_at[:-1][c_tensor], c_ndim)
+    tdim = segments(shape_at[:-1][c_tensor], c_ndim)
     bound = shape[tdim]
     bad = np.flatnonzero((offsets > bound) | (box > bound - offsets))
     if bad.size:
@@ -562,8 +623,8 @@ def _check_coverage(names: list[str], shape: np.ndarray, ndim: np.ndarray, nchun
     dim_at = np.concatenate(([0], np.cumsum(c_ndim))).astype(np.int64)
     single = np.flatnonzero(nchunks == 1)
     if single.size:  # the box equals the tensor's shape (its offsets are then 0)
-        rows = _segments(dim_at[first[single]], ndim[single])
-        tdims = _segments(shape_at[single], ndim[single])
+        rows = segments(dim_at[first[single]], ndim[single])
+        tdims = segments(shape_at[single], ndim[single])
         bad = np.flatnonzero(box[rows] != shape[tdims])
         if bad.size:
             i = int(single[np.searchsorted(np.cumsum(ndim[single]), bad[0], side="right")])

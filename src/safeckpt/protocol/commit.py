@@ -1,11 +1,12 @@
 """The save protocol over a group of ranks (one process is a group of one).
 
-1. Every rank flattens its state and sends rank 0 a description (never tensor data).
-   Rank 0 checks that the ranks agree (path, step, shared values, shapes), draws the
-   save id, and assigns each distinct piece to exactly one rank, balanced by bytes.
+1. Every rank flattens its state and sends rank 0 a description (never tensor data;
+   its pieces as columns, ``PieceColumns``). Rank 0 checks that the ranks agree (path,
+   step, shared values, shapes), draws the save id, and assigns each distinct piece to
+   exactly one rank, balanced by bytes (numpy over every rank's pieces at once).
 2. Every rank writes and fsyncs one data file named with the save id and its rank,
-   and reports sizes and checksums. Rank 0 checks it can see every file (shared
-   storage), then writes the manifest last.
+   and reports sizes and checksums (as columns, ``Written``). Rank 0 checks it can see
+   every file (shared storage), then writes the manifest last.
    Incremental saves first hash their chunks; rank 0 answers which are new, and the
    manifest references the others where an earlier checkpoint of the run holds them.
 3. Rank 0 broadcasts the outcome. On any failure nobody commits: every rank deletes
@@ -15,7 +16,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import operator
 import time
 from dataclasses import dataclass, field
@@ -32,10 +32,11 @@ from .incremental import ChunkDigest, Source, Stored, chunk_key, digest_pieces, 
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError,
                      UnsupportedFormatError)
 from .group import SingleGroup, TorchGroup
-from ..format.compact import TableBuilder
+from ..format.compact import Checksums, ChunkColumns, TableBuilder
 from ..format.manifest import (WRITE_VERSION, Chunk, FileEntry, Manifest, encode_manifest, is_shared, manifest_name,
                        manifest_seq)
-from ..format.plan import PieceInfo, PlanError, assign_writes, check_tilings
+from ..format.pieces import PieceColumns, first_seen, unpad
+from ..format.plan import PlanError, WritePlan, assign_writes, check_shards
 from .state import FlatState
 from ..storage import Storage
 
@@ -48,7 +49,7 @@ class Intent:
 
     url: str
     step: int | None
-    pieces: list[PieceInfo]
+    pieces: PieceColumns  # columns, not an object per piece: rank 0 plans them all with numpy
     aliases: dict[str, str]
     tree: Any
     error: str | None = None
@@ -69,12 +70,36 @@ class Assignment:
 
 
 @dataclass
+class Written:
+    """A rank's ``WrittenPiece`` list as columns, in the order of its data file (which
+    is the order of its ``Assignment.write``): byte ranges and block checksums."""
+
+    start: np.ndarray
+    end: np.ndarray
+    sums: Checksums
+
+    @classmethod
+    def of(cls, pieces: list[WrittenPiece]) -> "Written":
+        n = len(pieces)
+        return cls(np.fromiter(map(_START, pieces), np.int64, n), np.fromiter(map(_END, pieces), np.int64, n),
+                   Checksums.parse(list(map(_CHECKSUMS, pieces))))
+
+
+@dataclass
 class Report:
     """Phase 2, every rank to rank 0."""
 
     file: FileEntry | None = None
     written: list[WrittenPiece] = field(default_factory=list)
     error: str | None = None
+    columns: Written | None = None  # ``written`` as columns, as a rank sends it (``compact``)
+
+    def compact(self) -> "Report":
+        """This report with its pieces as columns: small to send, quick for rank 0."""
+        return Report(self.file, [], self.error, Written.of(self.written))
+
+    def pieces(self) -> Written:
+        return self.columns if self.columns is not None else Written.of(self.written)
 
 
 def describe_error(exc: BaseException) -> str:
@@ -117,6 +142,7 @@ class SaveRun:
         self.local_error: BaseException | None = None
         self.old: Manifest | None = None
         self.tree: Any = None  # rank 0: the merged tree of every rank
+        self.plan: WritePlan | None = None  # rank 0: who writes which piece
         self.committed = False
         self.where = storage.url  # what the ranks must agree they save to
 
@@ -128,7 +154,8 @@ class SaveRun:
         every rank's intent (rank 0 only) and what this rank writes. Raises, on every
         rank, when the save is refused or failed."""
         flat = self._guard(flatten)
-        intent = Intent(self.where, self.step, [p.info for p in flat.pieces.values()] if flat else [],
+        pieces = self._guard(lambda: PieceColumns.of([p.info for p in flat.pieces.values()] if flat else []))
+        intent = Intent(self.where, self.step, pieces if pieces is not None else PieceColumns.of([]),
                         flat.aliases if flat else {}, flat.tree if flat else None,
                         describe_error(self.local_error) if self.local_error else None,
                         flat.has_local if flat else False)
@@ -186,14 +213,15 @@ class SaveRun:
     def _assign(self, intents: list[Intent]) -> list[Assignment]:
         _check_agreement(intents)
         self.tree = merge_trees([i.tree for i in intents], has_local=any(i.has_local for i in intents))
-        per_rank = assign_writes([i.pieces for i in intents])
-        _check_shards(per_rank)
+        plan = assign_writes([i.pieces for i in intents])
+        check_shards(plan)
         self.old, max_seq = self.existing(self.storage)
         refuse_existing(self.storage, self.old, max_seq, self.overwrite)
         if self.chunk_size is not None and self.base is not None:
             self.index = reuse_index(self.base(), self.chunk_size)
         save_id, seq = self.new_save_id(), max_seq + 1
-        return [Assignment(save_id, seq, [p.name for p in pieces]) for pieces in per_rank]
+        self.plan = plan
+        return [Assignment(save_id, seq, plan.names(rank)) for rank in range(len(intents))]
 
     # -- phase 2a: incremental saves -----------------------------------------------------
     def _deduplicate(self, flat: FlatState, mine: Assignment) -> None:
@@ -223,11 +251,12 @@ class SaveRun:
 
     # -- phase 2 ---------------------------------------------------------------------
     def _write(self, flat: FlatState | None, mine: Assignment) -> Report:
+        """Write this rank's data file; the report it sends rank 0 (or its error)."""
         if not mine.write:
             return Report()
         name = data_file_name(mine.save_id, self.group.rank)
         try:
-            return self._write_file(cast(FlatState, flat), mine, name)  # a rank with writes has pieces
+            return self._sent(self._write_file(cast(FlatState, flat), mine, name))  # a rank with writes has pieces
         except BaseException as exc:
             if not isinstance(exc, FileExistsError):
                 self._remove(name)
@@ -235,6 +264,12 @@ class SaveRun:
                 raise
             self.local_error = exc
             return Report(error=describe_error(exc))
+
+    def _sent(self, report: Report) -> Report:
+        """What this rank sends rank 0: the pieces of a full save as columns. One process
+        keeps its objects (a staged save fills their checksums in place) and incremental
+        saves their chunks."""
+        return report.compact() if self.group.size > 1 and self.chunk_size is None else report
 
     def _write_file(self, flat: FlatState, mine: Assignment, name: str) -> Report:
         """Write this rank's data file ``name``; its entry and where each piece landed."""
@@ -283,7 +318,7 @@ class SaveRun:
         if incremental:
             self._add_chunks(intents, reports, files, table)
         else:
-            self._add_pieces(intents, reports, table)
+            self._add_pieces(cast(WritePlan, self.plan), reports, table)
         for intent in intents:
             for alias, first in intent.aliases.items():
                 table.alias(alias, first)
@@ -294,16 +329,37 @@ class SaveRun:
                         run_id=self.run_id, block_size=block, version=WRITE_VERSION)
 
     @staticmethod
-    def _add_pieces(intents: list[Intent], reports: list[Report], table: TableBuilder) -> None:
-        """Every piece a rank wrote is one chunk."""
-        for intent, rep in zip(intents, reports):
-            infos = {p.name: p for p in intent.pieces}  # this rank's boxes
-            if rep.file is None:  # a rank that wrote nothing
-                continue
-            written = rep.written
-            pieces = list(map(infos.__getitem__, map(_NAME, written)))
-            table.chunks(rep.file.name, table.indices(pieces), list(map(_START, written)), list(map(_END, written)),
-                         list(map(_CHECKSUMS, written)), list(map(_OFFSETS, pieces)), list(map(_SHAPE, pieces)))
+    def _add_pieces(plan: WritePlan, reports: list[Report], table: TableBuilder) -> None:
+        """Every piece a rank wrote is one chunk: its box from the plan, its bytes and
+        checksums from the rank's report (in the plan's order), added as columns."""
+        p = plan.pieces
+        files, counts, written = [], [], []
+        for rank, rep in enumerate(reports):
+            given = int(plan.at[rank + 1] - plan.at[rank])
+            cols = rep.pieces() if rep.file is not None else None
+            if (0 if cols is None else len(cols.start)) != given:
+                raise SaveAbortedError(f"rank {rank} reported other pieces than the {given} it was given to write")
+            if cols is not None:
+                files.append(cast(FileEntry, rep.file).name)
+                counts.append(given)
+                written.append(cols)
+        code = p.code[plan.rows]
+        tensors = first_seen(code, len(p.names))
+        lead = p.first[tensors]
+        index = np.zeros(len(p.names), dtype=np.int64)
+        index[tensors] = [table.tensor(p.names[c], p.dtypes[d], tuple(shape[:k])) for c, d, shape, k in
+                          zip(tensors.tolist(), p.dtype[lead].tolist(), p.global_shape[lead].tolist(),
+                              p.ndim[lead].tolist())]
+        tensor = index[code]
+        order = np.argsort(tensor, kind="stable")  # tensor after tensor, as the table holds them
+        rows = plan.rows[order]
+        ndim = p.ndim[rows].astype(np.int64)
+        empty = np.zeros(0, np.int64)
+        table.add(ChunkColumns(files, np.repeat(np.arange(len(files), dtype=np.int64), counts)[order], tensor[order],
+                               np.concatenate([w.start for w in written] or [empty])[order],
+                               np.concatenate([w.end for w in written] or [empty])[order],
+                               Checksums.join([w.sums for w in written]).take(order), ndim,
+                               unpad(p.offsets, rows, ndim), unpad(p.shape, rows, ndim)))
 
     def _add_chunks(self, intents: list[Intent], reports: list[Report], files: dict[str, FileEntry],
                     table: TableBuilder) -> None:
@@ -313,7 +369,7 @@ class SaveRun:
             for i, w in zip(self.writes[rank], rep.written):  # written pieces imply a file
                 written[(rank, i)] = Chunk(cast(FileEntry, rep.file).name, w.start, w.end, w.checksums, [], [])
         for rank, digests in enumerate(self.digests):
-            infos = {p.name: p for p in intents[rank].pieces}
+            infos = {p.name: p for p in intents[rank].pieces.infos()}
             for i, d in enumerate(digests):
                 held = written.get((rank, i))
                 if held is None:
@@ -445,27 +501,6 @@ def _check_agreement(intents: list[Intent]) -> None:
                 f"rank {rank} step {intent.step} to {intent.url} (did a rank resume from another checkpoint?)")
 
 
-def _check_shards(per_rank: list[list[PieceInfo]]) -> None:
-    """The boxes of every sharded tensor tile it. ``per_rank`` is ``assign_writes``'s
-    answer, which holds each distinct box once; checked in one batch per number of
-    dimensions (``plan.check_tilings``)."""
-    pieces = [p for pieces in per_rank for p in pieces if p.kind == "shard"]
-    ranks = set(map(len, map(_GLOBAL_SHAPE, pieces)))
-    by_rank = {k: pieces for k in ranks} if len(ranks) == 1 else \
-        {k: [p for p in pieces if len(p.global_shape) == k] for k in ranks}
-    for k, batch in by_rank.items():  # C-level maps: this runs once per piece of the job
-        names = list(map(_NAME, batch))
-        shapes = dict(zip(names, map(_GLOBAL_SHAPE, batch)))  # one per tensor, in first-seen order
-        index = {name: i for i, name in enumerate(shapes)}
-        tensor = np.fromiter(map(index.__getitem__, names), np.int64, len(names))
-        offsets = np.fromiter(itertools.chain.from_iterable(map(_OFFSETS, batch)), np.int64, len(batch) * k)
-        extents = np.fromiter(itertools.chain.from_iterable(map(_SHAPE, batch)), np.int64, len(batch) * k)
-        check_tilings(list(shapes), list(shapes.values()), tensor, offsets.reshape(len(batch), k),
-                      extents.reshape(len(batch), k))
-
-
-_NAME, _GLOBAL_SHAPE = operator.attrgetter("name"), operator.attrgetter("global_shape")
-_OFFSETS, _SHAPE = operator.attrgetter("offsets"), operator.attrgetter("shape")
 _START, _END, _CHECKSUMS = operator.attrgetter("start"), operator.attrgetter("end"), operator.attrgetter("checksums")
 
 

@@ -130,15 +130,16 @@ def runs(entries: list[tuple[str, torch.Tensor, int, int]]) -> Iterator[tuple[in
     """The entries of a layout as ``(first, stop, small)``: runs of consecutive small
     pieces, gathered into one region of about ``COALESCE_BUFFER`` bytes (one write), and
     each large piece alone."""
-    i = 0
-    while i < len(entries):
-        if entries[i][3] - entries[i][2] >= COALESCE_BELOW:
+    below, buffer = COALESCE_BELOW, COALESCE_BUFFER
+    i, n = 0, len(entries)
+    while i < n:
+        base = entries[i][2]
+        if entries[i][3] - base >= below:
             yield i, i + 1, False
             i += 1
             continue
-        j, size = i, 0
-        while j < len(entries) and entries[j][3] - entries[j][2] < COALESCE_BELOW and size < COALESCE_BUFFER:
-            size += entries[j][3] - entries[j][2]
+        j = i + 1  # pieces are back to back: a region's size so far is where the next piece starts
+        while j < n and entries[j][3] - entries[j][2] < below and entries[j][2] - base < buffer:
             j += 1
         yield i, j, True
         i = j

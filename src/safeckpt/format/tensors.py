@@ -81,10 +81,10 @@ def nbytes_of(shape: list[int] | tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def is_storable(t: torch.Tensor) -> bool:
-    """Dense tensors with data; quantized (even a plain view as a quantized dtype), sparse,
-    nested and meta tensors are not."""
-    return not (t.is_quantized or t.dtype in QUANTIZED_DTYPES or t.layout != torch.strided
-                or t.is_nested or t.is_meta)
+    """Dense tensors with data; quantized (even a plain view as a quantized dtype: a
+    quantized tensor always has one of those dtypes), sparse, nested and meta tensors are
+    not."""
+    return not (t.dtype in QUANTIZED_DTYPES or t.layout != torch.strided or t.is_nested or t.is_meta)
 
 
 def to_storable(t: torch.Tensor, key: str) -> torch.Tensor:

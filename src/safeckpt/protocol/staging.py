@@ -3,7 +3,7 @@
 Two ways to fill them: ``snapshot`` copies every piece into a buffer of its own (a
 save whose layout is decided later, by the ranks together), and ``stage`` copies the
 pieces into buffers arranged as the data file they will become (small pieces packed
-into regions of a few MiB, one write each; large pieces in a buffer each), and
+into regions of about 1 MiB, one write each; large pieces in a buffer each), and
 checksums the small ones while they are in cache. Either way host memory is one copy
 of the state's tensors; buffers a save no longer needs are dropped. Buffers are
 pinned where a piece lives on a GPU, so its copy is a DMA the host does not wait for

@@ -80,15 +80,17 @@ def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState
     views: dict[tuple, str] = {}   # view key -> piece, for addresses several tensors start at
     shared: set[int] = set()       # those addresses
     has_local = False
-    dtype_names, info_of = DTYPE_NAMES, PieceInfo._make
+    dtype_names, new_info = DTYPE_NAMES, tuple.__new__  # PieceInfo._make without its checks: 20% of a piece
 
-    def add(name: str, t: torch.Tensor, kind: str, box: tuple[Sequence[int], Sequence[int]] | None) -> dict:
-        """``box``: (global shape, offsets) of a shard; None for a whole tensor."""
+    def add(name: str, t: torch.Tensor, kind: str = "replicated",
+            box: tuple[Sequence[int], Sequence[int]] | None = None) -> dict:
+        """Record tensor ``t`` under ``name`` (the codec's ``on_tensor`` for whole tensors);
+        ``box``: (global shape, offsets) of a shard, None for a whole tensor."""
         if name in pieces or name in aliases:
             raise UnsafeObjectError(f"two tensors in the state are both named {name!r}; rename one of the keys")
         if not is_storable(t):
             to_storable(t, name)  # raises the clear error
-        shape = tuple(t.shape)
+        shape = t.shape  # a torch.Size: a tuple, made once
         global_shape, offsets = (shape, (0,) * len(shape)) if box is None else (tuple(box[0]), tuple(box[1]))
         nbytes = t.nbytes
         if nbytes:
@@ -104,15 +106,12 @@ def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState
                     aliases[name] = tied
                     return {"$tensor": name}
         dtype = t.dtype
-        pieces[name] = Piece(t, info_of((name, kind, dtype_names.get(dtype) or dtype_name(dtype), global_shape,
-                                         offsets, shape, nbytes)))
+        pieces[name] = Piece(t, new_info(PieceInfo, (name, kind, dtype_names.get(dtype) or dtype_name(dtype),
+                                                     global_shape, offsets, shape, nbytes)))
         return {"$tensor": name}
 
-    def on_tensor(key: str, t: torch.Tensor) -> dict:
-        return add(key, t, "replicated", None)
-
     def on_local_tensor(key: str, t: torch.Tensor) -> dict:
-        return add(local_name(key, rank), t, "local", None)
+        return add(local_name(key, rank), t, "local")
 
     def on_object(key: str, value: Any, local: bool = False) -> Any:
         if isinstance(value, RankLocal):
@@ -138,7 +137,7 @@ def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState
             return codec.Encoded(add(key, t, "shard", (shape, offsets)))
         return value.state_dict() if is_stateful(value) else value
 
-    tree = codec.encode(state, "", on_tensor, on_object, allow_pickle)
+    tree = codec.encode(state, "", add, on_object, allow_pickle)
     if has_local:  # a rank-local subtree was encoded from depth 0 by the hook: check the whole tree
         codec.check_tree(tree, "cannot save the state", pieces.keys() | aliases.keys(), rank_tree=True,
                          error=UnsafeObjectError)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Generator, Iterable, Iterator
 import torch
 
 from ..format.checksum import block_checksums, slice_checksums
-from ..format.tensors import SAFETENSORS_DTYPES, byte_view, to_storable
+from ..format.tensors import SAFETENSORS_DTYPES, byte_view, nbytes_of, to_storable
 
 if TYPE_CHECKING:
     from ..storage import Storage
@@ -55,18 +55,16 @@ def plan_layout(pieces: list[tuple[str, torch.Tensor]], metadata: dict[str, str]
     """Place pieces back to back after a safetensors header (no data is touched).
     ``__metadata__`` is reserved by safetensors: a tensor of that name is stored as
     ``___metadata__`` (the manifest keeps the real name). The header is the text
-    ``json.dumps`` writes for it (compact separators), joined from one short string
-    per piece: a dict and a JSON encoder cost several times more per piece."""
+    ``json.dumps`` writes for it (compact separators), joined from a few short strings
+    per piece, the part after the name made once per dtype and shape: a dict and a JSON
+    encoder cost several times more per piece."""
     offset = 0
     starts = []
     texts = ['{"__metadata__":' + json.dumps(metadata, separators=(",", ":"))]
-    codes, shapes, quote = SAFETENSORS_DTYPES, _shape_text, encode_basestring_ascii
+    add, quote, described = texts.append, encode_basestring_ascii, _described
     for name, t in pieces:
-        n = t.nbytes  # numel x itemsize, whatever the strides
-        code = codes.get(t.dtype)
-        shape = shapes(t.shape) if code else f"[{n}]"
-        texts.append(f',{quote("_" + name if name == "__metadata__" else name)}:{{"dtype":"{code or "U8"}",'
-                     f'"shape":{shape},"data_offsets":[{offset},{offset + n}]}}')
+        text, n = described(t.dtype, t.shape)
+        add(f',{quote("_" + name if name == "__metadata__" else name)}{text}{offset},{offset + n}]}}')
         starts.append(offset)
         offset += n
     starts.append(offset)
@@ -80,9 +78,14 @@ def plan_layout(pieces: list[tuple[str, torch.Tensor]], metadata: dict[str, str]
 
 
 @functools.lru_cache(maxsize=4096)
-def _shape_text(shape: tuple[int, ...]) -> str:
-    """A shape as JSON (``[3,4]``): states hold few distinct shapes, each made once."""
-    return "[" + ",".join(map(str, shape)) + "]"
+def _described(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[str, int]:
+    """A header entry's text between its name and its offsets, and its size in bytes,
+    for a dtype and shape (states hold few distinct ones). Dtypes safetensors does not
+    know are stored as their raw bytes (``U8``)."""
+    n = nbytes_of(shape, dtype)
+    code = SAFETENSORS_DTYPES.get(dtype)
+    dims = ",".join(map(str, shape)) if code else str(n)
+    return f':{{"dtype":"{code or "U8"}","shape":[{dims}],"data_offsets":[', n
 
 
 def stream(layout: DataFileLayout, written: list[WrittenPiece],

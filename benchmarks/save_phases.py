@@ -152,7 +152,7 @@ def main() -> int:
             for d, s in pairs:
                 d.copy_(s)
         copy_floor = median(repeat(memcopy, args.repeat * 2))
-        del pairs
+        pairs.clear()  # the copies' memory is not the async save's to use
         saver = AsyncSaver()
         blocked: list[tuple[float, float]] = []
 

@@ -69,9 +69,9 @@ def plan_layout(pieces: list[tuple[str, torch.Tensor]], metadata: dict[str, str]
         offset += n
     starts.append(offset)
     texts.append("}")
-    text = "".join(texts).encode()
-    text += b" " * (-len(text) % 8)
-    prefix = struct.pack("<Q", len(text)) + text
+    header = "".join(texts).encode()
+    header += b" " * (-len(header) % 8)
+    prefix = struct.pack("<Q", len(header)) + header
     base = len(prefix)
     entries = [(name, t, base + a, base + b) for (name, t), a, b in zip(pieces, starts, starts[1:])]
     return DataFileLayout(prefix, entries)

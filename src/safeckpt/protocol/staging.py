@@ -132,15 +132,15 @@ class StagingPool:
                 buf = self._buffer(key, (run[-1][3] - run[0][2],), torch.uint8, pinned)
                 self._fill_region(buf, run, pending)
                 parts.append((byte_view(buf), None))
-                sums = [[] for _ in run] if pinned else _region_sums(buf, run)  # just copied: still in cache
+                sums: list[list[str]] = [[] for _ in run] if pinned else _region_sums(buf, run)  # still in cache
                 written += map(WrittenPiece, map(_NAME, run), map(_START, run), map(_END, run), sums)
                 if pinned:
                     on_gpu.append((i, j, buf))  # hashed once the copies from the GPU have landed
             keys.add(key)
         _synchronize(pending)  # the copies land before we return
         for i, j, buf in on_gpu:
-            for w, sums in zip(written[i:j], _region_sums(buf, entries[i:j])):
-                w.checksums[:] = sums
+            for w, checksums in zip(written[i:j], _region_sums(buf, entries[i:j])):
+                w.checksums[:] = checksums
         self._keep_only(keys)
         return StagedFile(parts, written)
 

@@ -282,8 +282,8 @@ def test_a_bad_state_raises_from_async_save_itself(tmp_path):
 def test_regions_of_the_same_size_each_keep_their_own_bytes(tmp_path, monkeypatch):
     """Every region of a staged save has a buffer of its own, even when two regions are
     the same size (they once shared one: the last region's bytes were written for all)."""
-    from safeckpt.protocol import datafile
-    monkeypatch.setattr(datafile, "COALESCE_BUFFER", 4096)  # regions of exactly four 1 KiB pieces
+    from safeckpt.protocol import staging
+    monkeypatch.setattr(staging, "STAGED_REGION", 4096)  # regions of exactly four 1 KiB pieces
     state = {f"t{i:03d}": torch.full((256,), float(i)) for i in range(40)}
     safeckpt.async_save(state, tmp_path / "c").result(timeout=60)
     regions = [k for k in asyncsave._default.pool.buffers if k.startswith("region:")]

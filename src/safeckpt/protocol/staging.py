@@ -3,7 +3,7 @@
 Two ways to fill them: ``snapshot`` copies every piece into a buffer of its own (a
 save whose layout is decided later, by the ranks together), and ``stage`` copies the
 pieces into buffers arranged as the data file they will become (small pieces packed
-into regions of about 1 MiB, one write each; large pieces in a buffer each), and
+into regions of about 8 MiB, one write each; large pieces in a buffer each), and
 checksums the small ones while they are in cache. Either way host memory is one copy
 of the state's tensors; buffers a save no longer needs are dropped. Buffers are
 pinned where a piece lives on a GPU, so its copy is a DMA the host does not wait for
@@ -25,6 +25,8 @@ from .state import FlatState, Piece
 from ..format.tensors import byte_view
 
 Part = Union[bytes, memoryview]
+STAGED_REGION = 8 << 20  # staged regions are reused from save to save, so their size costs no page faults;
+# fewer writes are fewer GIL handoffs on the background thread (each may wait a switch interval)
 
 
 @dataclass
@@ -116,7 +118,7 @@ class StagingPool:
         on_gpu: list[tuple[int, int, torch.Tensor]] = []  # (first, stop, buffer) of regions copied from a GPU
         keys: set[str] = set()
         pending: set[torch.device] = set()
-        for i, j, small in runs(entries):
+        for i, j, small in runs(entries, STAGED_REGION):
             if not small:
                 name, src, start, end = entries[i]
                 key = "piece:" + name

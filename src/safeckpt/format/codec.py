@@ -192,7 +192,8 @@ def encode(value: Any, key: str, on_tensor: Callable[[str, torch.Tensor], JSON],
         if plain:
             return dict(zip(keys, values))
         tag = "$dict" if kind is dict else "$odict"
-        return {tag: [[encode_leaf_or_tuple(k, key, allow_pickle), v] for k, v in zip(keys, values)]}
+        return {tag: [[k if type(k) is str else encode_leaf_or_tuple(k, key, allow_pickle), v]  # a str is itself
+                      for k, v in zip(keys, values)]}
     if kind is list or kind is tuple or kind is torch.Size:
         items = [on_tensor(f"{key}.{i}" if key else str(i), v) if fast and type(v) in _TENSORS else
                  encode(v, f"{key}.{i}" if key else str(i), on_tensor, on_object, allow_pickle, inner)

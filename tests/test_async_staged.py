@@ -277,3 +277,17 @@ def test_a_bad_state_raises_from_async_save_itself(tmp_path):
     with pytest.raises(safeckpt.UnsafeObjectError):
         safeckpt.async_save({"q": torch.ones(4).to_sparse()}, tmp_path / "q")
     assert not (tmp_path / "q").exists() or not any((tmp_path / "q").iterdir())
+
+
+def test_regions_of_the_same_size_each_keep_their_own_bytes(tmp_path, monkeypatch):
+    """Every region of a staged save has a buffer of its own, even when two regions are
+    the same size (they once shared one: the last region's bytes were written for all)."""
+    from safeckpt.protocol import staging
+    monkeypatch.setattr(staging, "STAGED_REGION", 4096)  # regions of exactly four 1 KiB pieces
+    state = {f"t{i:03d}": torch.full((256,), float(i)) for i in range(40)}
+    safeckpt.async_save(state, tmp_path / "c").result(timeout=60)
+    regions = [k for k in asyncsave._default.pool.buffers if k.startswith("region:")]
+    assert len(regions) == 10
+    got = safeckpt.load_state(tmp_path / "c")
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert safeckpt.verify(tmp_path / "c").ok

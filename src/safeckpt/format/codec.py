@@ -153,34 +153,63 @@ class Encoded:
     json: JSON
 
 
+_TENSORS = (torch.Tensor, torch.nn.Parameter)  # exact types that go straight to on_tensor
+_UNHOOKED = {dict, list, tuple, str, int, float, bool, type(None), *_TENSORS}  # never given to on_object
+_CONTAINERS = (dict, collections.OrderedDict, list, tuple, torch.Size, set, frozenset)
+MAX_DEPTH = 100  #: containers nested deeper than this are refused on save and on load
+
+
 def encode(value: Any, key: str, on_tensor: Callable[[str, torch.Tensor], JSON],
-           on_object: Callable[[str, Any], Any], allow_pickle: bool) -> JSON:
+           on_object: Callable[[str, Any], Any], allow_pickle: bool, depth: int = 0) -> JSON:
     """Encode a tree; ``on_object`` may replace a value (e.g. by its ``state_dict()``)
-    or encode it itself by returning ``Encoded``."""
-    value = on_object(key, value)
-    if isinstance(value, Encoded):
-        return value.json
+    or encode it itself by returning ``Encoded``. Values of the plain types (dict, list,
+    tuple, str, int, float, bool, None, and exact ``torch.Tensor`` and ``Parameter``) are
+    never given to it: that is the hot path of a state of many tensors, and no hook
+    replaces them. Containers and tensor references ``MAX_DEPTH`` deep or more are
+    refused with ``UnsafeObjectError``, as ``check_tree`` refuses them on load."""
     kind = type(value)
+    if kind not in _UNHOOKED:
+        value = on_object(key, value)
+        kind = type(value)
+        if kind is Encoded:
+            if depth >= MAX_DEPTH and tag_of(value.json) is not None:
+                raise _too_deep(key)
+            return value.json
+    if depth >= MAX_DEPTH and (kind in _CONTAINERS or isinstance(value, torch.Tensor)):
+        raise _too_deep(key)
+    inner = depth + 1
+    fast = inner < MAX_DEPTH  # tensor children may go to on_tensor directly
+    if kind is dict or kind is collections.OrderedDict:
+        keys, values = [], []
+        plain = kind is dict
+        for k, v in value.items():
+            if plain and (type(k) is not str or k[:1] == "$"):
+                plain = False
+            name = f"{key}.{k}" if key else str(k)  # child_key, inlined: once per tensor
+            keys.append(k)
+            values.append(on_tensor(name, v) if fast and type(v) in _TENSORS else
+                          encode(v, name, on_tensor, on_object, allow_pickle, inner))
+        if plain:
+            return dict(zip(keys, values))
+        tag = "$dict" if kind is dict else "$odict"
+        return {tag: [[k if type(k) is str else encode_leaf_or_tuple(k, key, allow_pickle), v]  # a str is itself
+                      for k, v in zip(keys, values)]}
+    if kind is list or kind is tuple or kind is torch.Size:
+        items = [on_tensor(f"{key}.{i}" if key else str(i), v) if fast and type(v) in _TENSORS else
+                 encode(v, f"{key}.{i}" if key else str(i), on_tensor, on_object, allow_pickle, inner)
+                 for i, v in enumerate(value)]
+        return items if kind is list else {"$size" if kind is torch.Size else "$tuple": items}
     if isinstance(value, torch.Tensor):
         return on_tensor(key, value)
-    if kind in (dict, collections.OrderedDict):
-        pairs = [(k, encode(v, child_key(key, k), on_tensor, on_object, allow_pickle))
-                 for k, v in value.items()]
-        if kind is dict and all(type(k) is str and not k.startswith("$") for k, _ in pairs):
-            return dict(pairs)
-        tag = "$dict" if kind is dict else "$odict"
-        return {tag: [[encode_leaf_or_tuple(k, key, allow_pickle), v] for k, v in pairs]}
-    if kind is list:
-        return [encode(v, child_key(key, i), on_tensor, on_object, allow_pickle)
-                for i, v in enumerate(value)]
-    if kind is tuple or kind is torch.Size:
-        items = [encode(v, child_key(key, i), on_tensor, on_object, allow_pickle)
-                 for i, v in enumerate(value)]
-        return {"$size" if kind is torch.Size else "$tuple": items}
-    if kind in (set, frozenset):
+    if kind is set or kind is frozenset:
         items = sorted((encode_leaf_or_tuple(v, key, allow_pickle) for v in value), key=repr)
         return {"$" + kind.__name__: items}
     return encode_leaf(value, key, allow_pickle)
+
+
+def _too_deep(key: str) -> UnsafeObjectError:
+    return UnsafeObjectError(f"the value at {key or '<root>'!r} is nested more than {MAX_DEPTH} containers deep; "
+                             "flatten the structure")
 
 
 def encode_leaf_or_tuple(value: Any, key: str, allow_pickle: bool) -> JSON:
@@ -198,7 +227,6 @@ def decode_key(node: JSON, key: str, allow_pickle: bool) -> Any:
 
 
 CONTAINER_TAGS = ("$dict", "$odict", "$tuple", "$size", "$set", "$frozenset", "$tensor", "$local")
-MAX_DEPTH = 100  #: containers nested deeper than this are refused on save and on load
 _UNHASHABLE = ("$ndarray", "$bytearray")
 _INT64 = 2**63
 

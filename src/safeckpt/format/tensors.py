@@ -32,13 +32,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 _DTYPES = {_dtype_name(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
-_NAMES = {d: n for n, d in _DTYPES.items()}
+DTYPE_NAMES = {d: n for n, d in _DTYPES.items()}  #: ``dtype_name`` of the dtypes torch has now
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"``: the manifest's dtype name (looked up: it is
     asked once per tensor)."""
-    name = _NAMES.get(dtype)
+    name = DTYPE_NAMES.get(dtype)
     return name if name is not None else _dtype_name(dtype)
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
                  torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128}
@@ -81,10 +81,10 @@ def nbytes_of(shape: list[int] | tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def is_storable(t: torch.Tensor) -> bool:
-    """Dense tensors with data; quantized (even a plain view as a quantized dtype), sparse,
-    nested and meta tensors are not."""
-    return not (t.is_quantized or t.dtype in QUANTIZED_DTYPES or t.layout != torch.strided
-                or t.is_nested or t.is_meta)
+    """Dense tensors with data; quantized (even a plain view as a quantized dtype: a
+    quantized tensor always has one of those dtypes), sparse, nested and meta tensors are
+    not."""
+    return not (t.dtype in QUANTIZED_DTYPES or t.layout != torch.strided or t.is_nested or t.is_meta)
 
 
 def to_storable(t: torch.Tensor, key: str) -> torch.Tensor:

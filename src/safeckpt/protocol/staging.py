@@ -3,7 +3,7 @@
 Two ways to fill them: ``snapshot`` copies every piece into a buffer of its own (a
 save whose layout is decided later, by the ranks together), and ``stage`` copies the
 pieces into buffers arranged as the data file they will become (small pieces packed
-into regions of a few MiB, one write each; large pieces in a buffer each), and
+into regions of about 8 MiB, one write each; large pieces in a buffer each), and
 checksums the small ones while they are in cache. Either way host memory is one copy
 of the state's tensors; buffers a save no longer needs are dropped. Buffers are
 pinned where a piece lives on a GPU, so its copy is a DMA the host does not wait for
@@ -13,6 +13,7 @@ piece by piece: one synchronization per save.
 from __future__ import annotations
 
 import ctypes
+import operator
 from dataclasses import dataclass
 from typing import Union
 
@@ -24,6 +25,8 @@ from .state import FlatState, Piece
 from ..format.tensors import byte_view
 
 Part = Union[bytes, memoryview]
+STAGED_REGION = 8 << 20  # staged regions are reused from save to save, so their size costs no page faults;
+# fewer writes are fewer GIL handoffs on the background thread (each may wait a switch interval)
 
 
 @dataclass
@@ -52,11 +55,14 @@ def _synchronize(devices: "set[torch.device]") -> None:
         torch.cuda.synchronize(device)
 
 
-def _checksum_region(buf: torch.Tensor, pieces: list[WrittenPiece]) -> None:
+def _region_sums(buf: torch.Tensor, run: list[tuple[str, torch.Tensor, int, int]]) -> list[list[str]]:
     """The checksums of the small pieces packed in one region buffer."""
-    base = pieces[0].start
-    for w, sums in zip(pieces, slice_checksums(byte_view(buf), [(w.start - base, w.end - base) for w in pieces])):
-        w.checksums = sums
+    base = run[0][2]
+    return slice_checksums(byte_view(buf), [(start - base, end - base) for _, _, start, end in run])
+
+
+_NAME, _TENSOR, _START, _END = (operator.itemgetter(k) for k in range(4))  # of a layout entry
+_IS_CUDA = operator.attrgetter("is_cuda")
 
 
 class StagingPool:
@@ -109,10 +115,10 @@ class StagingPool:
         entries = layout.entries
         parts: list[tuple[Part, WrittenPiece | None]] = [(layout.header, None)]
         written: list[WrittenPiece] = []
-        regions: list[tuple[int, int, torch.Tensor]] = []  # (first, stop, buffer) of regions copied from a GPU
+        on_gpu: list[tuple[int, int, torch.Tensor]] = []  # (first, stop, buffer) of regions copied from a GPU
         keys: set[str] = set()
         pending: set[torch.device] = set()
-        for i, j, small in runs(entries):
+        for i, j, small in runs(entries, STAGED_REGION):
             if not small:
                 name, src, start, end = entries[i]
                 key = "piece:" + name
@@ -122,32 +128,39 @@ class StagingPool:
                 written.append(piece)
                 parts.append((byte_view(buf), piece))
             else:
-                base = entries[i][2]
-                pinned = any(e[1].is_cuda for e in entries[i:j])
-                key = f"region:{len(regions)}"
-                buf = self._buffer(key, (entries[j - 1][3] - base,), torch.uint8, pinned)
-                address = buf.data_ptr()
-                for _, src, start, end in entries[i:j]:
-                    if end == start:
-                        continue
-                    if _plain(src):
-                        ctypes.memmove(address + start - base, src.data_ptr(), end - start)
-                    else:
-                        buf[start - base:end - base].copy_(_bytes_of(src), non_blocking=src.is_cuda)
-                        if src.is_cuda:
-                            pending.add(src.device)
+                run = entries[i:j]
+                key = f"region:{len(keys)}"  # one buffer per region: each is written after all are filled
+                pinned = any(map(_IS_CUDA, map(_TENSOR, run)))
+                buf = self._buffer(key, (run[-1][3] - run[0][2],), torch.uint8, pinned)
+                self._fill_region(buf, run, pending)
                 parts.append((byte_view(buf), None))
-                written.extend(WrittenPiece(name, start, end) for name, _, start, end in entries[i:j])
+                sums: list[list[str]] = [[] for _ in run] if pinned else _region_sums(buf, run)  # still in cache
+                written += map(WrittenPiece, map(_NAME, run), map(_START, run), map(_END, run), sums)
                 if pinned:
-                    regions.append((i, j, buf))  # hashed once the copies from the GPU have landed
-                else:
-                    _checksum_region(buf, written[i:j])  # just copied: still in cache
+                    on_gpu.append((i, j, buf))  # hashed once the copies from the GPU have landed
             keys.add(key)
         _synchronize(pending)  # the copies land before we return
-        for i, j, buf in regions:
-            _checksum_region(buf, written[i:j])
+        for i, j, buf in on_gpu:
+            for w, checksums in zip(written[i:j], _region_sums(buf, entries[i:j])):
+                w.checksums[:] = checksums
         self._keep_only(keys)
         return StagedFile(parts, written)
+
+    @staticmethod
+    def _fill_region(buf: torch.Tensor, run: list[tuple[str, torch.Tensor, int, int]], pending: set) -> None:
+        """Copy consecutive small pieces into their region's buffer: one ``memmove`` each
+        from a plain CPU tensor, a torch copy (asynchronous from a GPU) otherwise."""
+        base = run[0][2]
+        address, move = buf.data_ptr() - base, ctypes.memmove
+        for _, src, start, end in run:
+            if end == start:
+                continue
+            if _plain(src):
+                move(address + start, src.data_ptr(), end - start)
+            else:
+                buf[start - base:end - base].copy_(_bytes_of(src), non_blocking=src.is_cuda)
+                if src.is_cuda:
+                    pending.add(src.device)
 
     @property
     def nbytes(self) -> int:

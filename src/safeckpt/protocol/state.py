@@ -23,10 +23,9 @@ from ..format.compact import TableEntry
 from ..format.manifest import TensorEntry
 from ..format.plan import Box, PieceInfo
 from .shards import RankLocal, Shard, dtensor_box, is_dtensor, is_sharded_tensor, sharded_tensor_box
-from ..format.tensors import dtype_from_name, dtype_name, is_storable, to_storable
+from ..format.tensors import DTYPE_NAMES, dtype_from_name, dtype_name, is_storable, to_storable
 
 
-_PLAIN = {torch.Tensor, dict, list, tuple, int, float, str, bool, type(None)}
 _PLAIN_TENSORS = {torch.Tensor, torch.nn.Parameter}  # tensors that are not DTensors or shards
 
 
@@ -60,42 +59,61 @@ def local_name(key: str, rank: int) -> str:
     return f"{key}@{rank}"
 
 
+def _view_key(t: torch.Tensor, kind: str, offsets: Sequence[int]) -> tuple:
+    """What makes two tensors the same stored piece: the same view of the same memory."""
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.is_conj(), t.is_neg(), kind,
+            tuple(offsets))
+
+
 def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState:
-    """Walk ``state``; tensors that are the same view of the same memory are stored once."""
+    """Walk ``state``; tensors that are the same view of the same memory are stored once.
+
+    Ties are found by address first (one ``data_ptr`` and one dict lookup per tensor):
+    only tensors whose memory starts where another's does are compared by their whole
+    view (``_view_key``). The tree is built by the codec, which refuses what it cannot
+    encode; it is checked again (``check_tree``) only where a hook built part of it."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, not {type(state).__name__}")
     pieces: dict[str, Piece] = {}
     aliases: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
+    first_at: dict[int, str] = {}  # address -> the first piece with bytes that starts there
+    views: dict[tuple, str] = {}   # view key -> piece, for addresses several tensors start at
+    shared: set[int] = set()       # those addresses
     has_local = False
+    dtype_names, new_info = DTYPE_NAMES, tuple.__new__  # PieceInfo._make without its checks: 20% of a piece
 
-    def add(name: str, t: torch.Tensor, kind: str, global_shape: Sequence[int], offsets: Sequence[int]) -> dict:
+    def add(name: str, t: torch.Tensor, kind: str = "replicated",
+            box: tuple[Sequence[int], Sequence[int]] | None = None) -> dict:
+        """Record tensor ``t`` under ``name`` (the codec's ``on_tensor`` for whole tensors);
+        ``box``: (global shape, offsets) of a shard, None for a whole tensor."""
         if name in pieces or name in aliases:
             raise UnsafeObjectError(f"two tensors in the state are both named {name!r}; rename one of the keys")
         if not is_storable(t):
             to_storable(t, name)  # raises the clear error
-        shape = tuple(t.shape)
-        skey = (t.device, t.data_ptr(), shape, t.stride(), t.dtype, t.is_conj(), t.is_neg(), kind, tuple(offsets))
+        shape = t.shape  # a torch.Size: a tuple, made once
+        global_shape, offsets = (shape, (0,) * len(shape)) if box is None else (tuple(box[0]), tuple(box[1]))
         nbytes = t.nbytes
-        if nbytes and skey in seen:
-            aliases[name] = seen[skey]
-        else:
-            info = PieceInfo(name, kind, dtype_name(t.dtype), tuple(global_shape), tuple(offsets), shape, nbytes)
-            pieces[name] = Piece(t, info)
-            if nbytes:
-                seen[skey] = name
+        if nbytes:
+            address = t.data_ptr()
+            first = first_at.setdefault(address, name)
+            if first != name:  # memory another tensor starts at: compare whole views
+                if address not in shared:
+                    shared.add(address)
+                    info = pieces[first].info
+                    views[_view_key(pieces[first].tensor, info.kind, info.offsets)] = first
+                tied = views.setdefault(_view_key(t, kind, offsets), name)
+                if tied != name:
+                    aliases[name] = tied
+                    return {"$tensor": name}
+        dtype = t.dtype
+        pieces[name] = Piece(t, new_info(PieceInfo, (name, kind, dtype_names.get(dtype) or dtype_name(dtype),
+                                                     global_shape, offsets, shape, nbytes)))
         return {"$tensor": name}
 
-    def on_tensor(key: str, t: torch.Tensor) -> dict:
-        shape = t.shape
-        return add(key, t, "replicated", shape, (0,) * len(shape))
-
     def on_local_tensor(key: str, t: torch.Tensor) -> dict:
-        return add(local_name(key, rank), t, "local", list(t.shape), [0] * t.dim())
+        return add(local_name(key, rank), t, "local")
 
     def on_object(key: str, value: Any, local: bool = False) -> Any:
-        if type(value) in _PLAIN:  # the common case, decided without attribute lookups
-            return value
         if isinstance(value, RankLocal):
             if local:
                 raise UnsafeObjectError(f"{key}: RankLocal values cannot be nested")
@@ -116,12 +134,13 @@ def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState
                 if box is None:  # this rank holds no part of it
                     return codec.Encoded({"$tensor": key})
                 t, shape, offsets = box
-            return codec.Encoded(add(key, t, "shard", shape, offsets))
+            return codec.Encoded(add(key, t, "shard", (shape, offsets)))
         return value.state_dict() if is_stateful(value) else value
 
-    tree = codec.encode(state, "", on_tensor, on_object, allow_pickle)
-    codec.check_tree(tree, "cannot save the state", pieces.keys() | aliases.keys(), rank_tree=True,
-                     error=UnsafeObjectError)
+    tree = codec.encode(state, "", add, on_object, allow_pickle)
+    if has_local:  # a rank-local subtree was encoded from depth 0 by the hook: check the whole tree
+        codec.check_tree(tree, "cannot save the state", pieces.keys() | aliases.keys(), rank_tree=True,
+                         error=UnsafeObjectError)
     return FlatState(tree, pieces, aliases, has_local)
 
 

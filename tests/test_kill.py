@@ -195,7 +195,7 @@ def test_sigkill_between_manifest_create_and_write_of_the_first_save(fork_server
     assert state_mismatch(state, 0) is None
 
 
-@pytest.mark.parametrize("resume", ["next", "same"])
+@pytest.mark.parametrize("resume", ["next", pytest.param("same", marks=pytest.mark.slow)])  # ~10 s each
 def test_the_readme_training_loop_survives_kills(fork_server, tmp_path, resume):
     """The README's loop, SIGKILLed at random moments and restarted each time, ends with
     the weights of an uninterrupted run (``next``); written as ``restore(state) or 0``

@@ -3,8 +3,9 @@
     python memory_probe.py PATH N_TENSORS TOTAL_MIB
 
 Prints one JSON line: ru_maxrss (KiB) after allocating and touching the tensors, after
-``safeckpt.save``, and after ``safeckpt.load`` into the same (zeroed) tensors, plus
-whether the loaded values are right. ru_maxrss is the process's peak resident set: page
+``safeckpt.save``, after ``safeckpt.load`` into the same (zeroed) tensors and after
+``safeckpt.load_state`` (whose result adds the state's size once), plus whether the
+loaded values are right. ru_maxrss is the process's peak resident set: page
 cache of the written file does not count, only memory the process itself touched.
 """
 
@@ -37,8 +38,11 @@ def main() -> None:
     safeckpt.load(state, path)
     after_load = peak_kib()
     ok = all(bool((t == float(i)).all()) for i, t in enumerate(state["model"].values()))
+    fresh = safeckpt.load_state(path)
+    after_load_state = peak_kib()
+    ok = ok and all(bool((t == float(i)).all()) for i, t in enumerate(fresh["model"].values()))
     print(json.dumps({"base_kib": base, "after_save_kib": after_save, "after_load_kib": after_load,
-                      "tensor_bytes": per * 4 * n, "values_ok": ok}))
+                      "after_load_state_kib": after_load_state, "tensor_bytes": per * 4 * n, "values_ok": ok}))
 
 
 if __name__ == "__main__":

@@ -290,6 +290,33 @@ def test_ls_show_verify_a_run_root(run_root):
     assert "checked 4 checkpoint folder(s)" in out and out.rstrip().endswith("2 committed, 1 torn, 1 corrupt")
 
 
+def test_a_folder_of_checkpoints_saved_by_hand(tmp_path):
+    """The README's first snippet saves ``ckpt/step-100`` and ``ckpt/step-200`` (no
+    manager, no step): ``ls ckpt`` and ``verify ckpt`` cover both, named by their
+    folders; commands that work on one checkpoint, and gc (a run root's), say which to
+    name instead."""
+    state = {"w": torch.arange(6.0), "step": 1}
+    safeckpt.save(state, tmp_path / "ckpt" / "step-100")
+    safeckpt.save(state, tmp_path / "ckpt" / "best", step=7)
+    (tmp_path / "ckpt" / "notes").mkdir()  # a folder that holds no checkpoint is left out
+    ls, ls_json, verify, show, gc, export = run_all(
+        cmd("ls", tmp_path / "ckpt"), cmd("ls", tmp_path / "ckpt", "--json"), cmd("verify", tmp_path / "ckpt"),
+        cmd("show", tmp_path / "ckpt"), cmd("gc", tmp_path / "ckpt"),
+        cmd("export", tmp_path / "ckpt", tmp_path / "out.safetensors"))
+    table = ok(ls).stdout
+    assert any(line.split()[:1] == ["step-100"] and line.rstrip().endswith("committed") for line in table.splitlines())
+    assert any(line.split()[:1] == ["7"] for line in table.splitlines()) and "2 checkpoint folder(s)" in table
+    rows = json.loads(ok(ls_json).stdout)
+    assert [(r["path"].rpartition("/")[2], r["step"], r["status"]) for r in rows] == \
+        [("best", 7, "committed"), ("step-100", None, "committed")]
+    assert "checked 2 checkpoint folder(s)" in ok(verify).stdout
+    for p, doing in ((show, "show"), (export, "export")):
+        assert p.returncode == 2 and f"is a folder of 2 checkpoint(s), not one checkpoint; {doing} one of them" \
+            in p.stderr, p.stderr
+    assert gc.returncode == 2 and "is not a run root" in gc.stderr and "run gc on each of them" in gc.stderr
+    assert not (tmp_path / "out.safetensors").exists()
+
+
 def test_gc_dry_run_changes_nothing_and_gc_spares_young_saves(run_root, tmp_path):
     dry, real = tmp_path / "dry", tmp_path / "real"
     for copy in (dry, real):

@@ -9,7 +9,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import click
@@ -288,28 +288,53 @@ def decode(node: Any, key: str) -> Any:
 
 @dataclass
 class Place:
-    """What a path names: a checkpoint, or a run root with its step folders."""
+    """What a path names: a checkpoint, a run root with its step folders, or a folder
+    whose sub-folders are checkpoints of other names (``ckpt/best``, ``ckpt/step-100``)."""
 
     storage: Storage
-    kind: str                     # "checkpoint" or "root"
+    kind: str                     # "checkpoint", "root" or "folders"
     steps: list[tuple[int, str]]  # (step, folder name) for a root
+    folders: list[str] = field(default_factory=list)  # checkpoint folder names for "folders"
+
+    def checkpoints(self) -> list[Storage]:
+        """The checkpoint folders it names: itself, or the folders in it."""
+        if self.kind == "checkpoint":
+            return [self.storage]
+        return [self.storage.child(n) for n in ([n for _, n in self.steps] or self.folders)]
+
+    def one_checkpoint(self, doing: str) -> Storage:
+        """The checkpoint a command that works on one needs, or a clear error naming one."""
+        if self.kind == "checkpoint":
+            return self.storage
+        found = self.checkpoints()
+        what = "a run root" if self.kind == "root" else "a folder"
+        raise CliError(f"{self.storage.url} is {what} of {len(found)} checkpoint(s), not one checkpoint; "
+                       f"{doing} one of them, e.g. {found[-1].url}")
 
 
 def locate(path: str, options: dict[str, Any]) -> Place:
-    """Open ``path`` and tell a checkpoint folder from a run root; anything else (a
-    missing path, a folder with neither manifests nor step folders) is an error."""
+    """Open ``path`` and tell a checkpoint folder from a run root or a folder of
+    checkpoints; anything else (a missing path, a folder with none of them) is an error."""
     storage = open_storage(path, **options_for(path, options))
     listing = storage.listdir()
-    if any(manifest_seq(n) is not None for n, size in listing.items() if size is not None):
+    if _has_manifest(listing):
         return Place(storage, "checkpoint", [])
     steps = sorted((int(m.group(1)), name) for name, size in listing.items()
                    if size is None and (m := STEP_RE.fullmatch(name)))
     if steps:
         return Place(storage, "root", steps)
+    folders = sorted(name for name, size in listing.items() if size is None and _has_manifest(storage.child(name).listdir()))
+    if folders:
+        return Place(storage, "folders", [], folders)
     if not listing:
         from ..format.folder import read_committed
 
         read_committed(storage, listing)  # raises, saying whether it is a file or nothing
     raise CheckpointNotFoundError(
-        f"no checkpoint at {storage.url}: it has no manifest and no step-NNNNNNNNN folders "
+        f"no checkpoint at {storage.url}: it has no manifest and no step-NNNNNNNNN folders, and none of its "
+        "folders holds a manifest "
         "(not a safeckpt checkpoint or run root, or a save that never committed)")
+
+
+def _has_manifest(listing: dict[str, int | None]) -> bool:
+    return any(manifest_seq(n) is not None for n, size in listing.items() if size is not None)

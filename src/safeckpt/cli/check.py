@@ -15,7 +15,7 @@ from ..errors import CheckpointError
 from ..format.folder import CheckpointState, folder_state
 from ..protocol.reader import TensorReader
 from ..storage import Storage, StorageWrapper
-from ._common import (console, count_states, human_bytes, locate, print_json, progress_console, say, storage_option_flag,
+from ._common import (CliError, console, count_states, human_bytes, locate, print_json, progress_console, say, storage_option_flag,
                       storage_options, table, text)
 
 
@@ -49,12 +49,12 @@ class Checked:
 
 
 def _targets(paths: tuple[str, ...], options: dict) -> list[Storage]:
-    """Checkpoint folders named by ``paths``: a checkpoint, or every step folder of a root.
+    """Checkpoint folders named by ``paths``: a checkpoint, or every checkpoint folder in one.
     All are located first, so a bad path fails before anything is read."""
     out: list[Storage] = []
     for path in paths:
         place = locate(path, options)
-        out += [place.storage] if place.kind == "checkpoint" else [place.storage.child(n) for _, n in place.steps]
+        out += place.checkpoints()
     return out
 
 
@@ -173,6 +173,9 @@ def gc_command(root: str, dry_run: bool, min_age: float, as_json: bool, storage_
     folder). Never a committed checkpoint, never a file safeckpt did not write, never a
     save younger than --min-age. The same rules as CheckpointManager.gc."""
     place = locate(root, storage_options(storage_option))
+    if place.kind == "folders":  # not a run root: gc's rules (retired, torn, old) are a manager's
+        raise CliError(f"{place.storage.url} holds checkpoint folders but is not a run root (no "
+                       f"step-NNNNNNNNN folders); run gc on each of them, e.g. {place.checkpoints()[0].url}")
     storage = place.storage
     single = place.kind == "checkpoint"
     if single:

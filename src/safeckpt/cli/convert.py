@@ -39,12 +39,9 @@ def export_command(ckpt: str, out: str, fmt: str, max_shard_size: str | None, se
     whole model in memory, torch output holds one output file (use --max-shard-size
     for large models). Non-tensor values are not exported."""
     options = storage_options(storage_option)
-    place = locate(ckpt, options)
-    if place.kind == "root":
-        raise CliError(f"{place.storage.url} is a run root, not one checkpoint; export one of its "
-                       f"checkpoints, e.g. {place.storage.child(place.steps[-1][1]).url}")
+    source = locate(ckpt, options).one_checkpoint("export")
     with progress_bar("exporting") as advance:
-        result = export_checkpoint(place.storage, out, format=fmt, max_shard_size=max_shard_size,
+        result = export_checkpoint(source, out, format=fmt, max_shard_size=max_shard_size,
                                    select=select, strip_prefix=strip_prefix,
                                    out_storage_options=options_for(out, options),
                                    overwrite=overwrite, verify=not no_verify,

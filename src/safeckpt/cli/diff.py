@@ -17,7 +17,7 @@ from ..interop.export import read_tensors
 from ..format.compact import TableEntry
 from ..format.manifest import Manifest, TensorEntry
 from ..storage import Storage
-from ._common import (CliError, compact, console, decode, jsonable, locate, print_json, say,
+from ._common import (compact, console, decode, jsonable, locate, print_json, say,
                       storage_option_flag, storage_options)
 
 BLOCK = 1 << 22  # elements compared at a time
@@ -232,12 +232,8 @@ def diff_command(a: str, b: str, atol: float, verify: bool, as_json: bool, stora
     without being read; --verify reads both checkpoints in full first and checks every
     checksum, so a copy whose bytes rotted is found."""
     options = storage_options(storage_option)
-    places = [locate(p, options) for p in (a, b)]
-    for place in places:
-        if place.kind == "root":
-            raise CliError(f"{place.storage.url} is a run root, not one checkpoint; compare two checkpoints, "
-                           f"e.g. {place.storage.child(place.steps[-1][1]).url}")
-    d = diff_checkpoints(places[0].storage, places[1].storage, atol=atol, verify=verify)
+    first, second = (locate(p, options).one_checkpoint("compare") for p in (a, b))
+    d = diff_checkpoints(first, second, atol=atol, verify=verify)
     if as_json:
         print_json(_as_json(d))
         return 0 if d.identical else 1

@@ -28,9 +28,9 @@ def _row(c: CheckpointStatus) -> dict[str, Any]:
 
 def _rows(path: str, options: dict) -> list[dict[str, Any]]:
     place = locate(path, options)
-    if place.kind == "checkpoint":
-        return [_row(checkpoint_status(place.storage))]
-    return [_row(c) for c in list_checkpoints(place.storage)]
+    if place.kind == "root":
+        return [_row(c) for c in list_checkpoints(place.storage)]
+    return [_row(checkpoint_status(folder)) for folder in place.checkpoints()]
 
 
 @click.command("ls")
@@ -38,7 +38,8 @@ def _rows(path: str, options: dict) -> list[dict[str, Any]]:
 @click.option("--json", "as_json", is_flag=True, help="print a JSON list (step, path, status, bytes, metrics, ...)")
 @storage_option_flag
 def ls_command(root: str, as_json: bool, storage_option: tuple[str, ...]) -> int:
-    """List the checkpoints of a run root (its step-NNNNNNNNN folders): step, time,
+    """List the checkpoints of a run root (its step-NNNNNNNNN folders), or of a folder
+    whose sub-folders are checkpoints (named by their folder where no step was saved): step, time,
     the bytes each owns (its own files) and shares (data read from older checkpoints
     of an incremental run), world size, metrics and status (committed, torn save,
     CORRUPT, newer format, empty, retired).
@@ -53,7 +54,7 @@ def ls_command(root: str, as_json: bool, storage_option: tuple[str, ...]) -> int
     t = table("step", "time", "owns", "shares", "world", "metrics", "status",
               right=("step", "owns", "shares", "world"))
     for r in rows:
-        t.add_row(text("-" if r["step"] is None else r["step"]), text(when(r["created"])),
+        t.add_row(text(_label(r)), text(when(r["created"])),
                   text(human_bytes(r["bytes"])), text(human_bytes(r["shared_bytes"]) if r["shared_bytes"] else "-"),
                   text(r["world_size"] or "-"),
                   text(compact(r["metrics"]) if r["metrics"] else "-"),
@@ -62,8 +63,13 @@ def ls_command(root: str, as_json: bool, storage_option: tuple[str, ...]) -> int
     say(out, f"{len(rows)} checkpoint folder(s) in {root}: {count_states(r['status'] for r in rows)}")
     for r in rows:
         if r["status"] not in (CheckpointState.COMMITTED, CheckpointState.TORN, CheckpointState.RETIRED):
-            say(out, f"  step {r['step']}: {'; '.join(r['problems'])}")
+            say(out, f"  {'' if r['step'] is None else 'step '}{_label(r)}: {'; '.join(r['problems'])}")
     return 0
+
+
+def _label(row: dict[str, Any]) -> str:
+    """A row's step, or its folder's name where no step was saved."""
+    return row["path"].rstrip("/").rpartition("/")[2] if row["step"] is None else str(row["step"])
 
 
 def _shape(shape: list[int]) -> str:
@@ -98,16 +104,12 @@ def show_command(ckpt: str, as_json: bool, select: str | None, storage_option: t
     chunks, bytes), its other values, metadata and metrics.
 
     CKPT is a checkpoint folder (local path or URL), e.g. run/step-000000100."""
-    place = locate(ckpt, storage_options(storage_option))
-    if place.kind == "root":
-        name = place.steps[-1][1]
-        raise CliError(f"{place.storage.url} is a run root of {len(place.steps)} checkpoint(s), not one "
-                       f"checkpoint; show one of them, e.g. {place.storage.child(name).url}")
-    m = read_committed(place.storage)
-    info = describe_checkpoint(place.storage, m, select)
+    storage = locate(ckpt, storage_options(storage_option)).one_checkpoint("show")
+    m = read_committed(storage)
+    info = describe_checkpoint(storage, m, select)
     if select and not info["tensors"] and not info["values"]:
         names = [*m.tensors, *leaf_values(m.tree)]
-        raise CliError(f"nothing in {place.storage.url} starts with {select!r} (names: {', '.join(names[:5])}"
+        raise CliError(f"nothing in {storage.url} starts with {select!r} (names: {', '.join(names[:5])}"
                        f"{', ...' if len(names) > 5 else ''})")
     if as_json:
         print_json(info)

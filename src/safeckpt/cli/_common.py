@@ -9,7 +9,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import click
@@ -292,15 +292,12 @@ class Place:
     whose sub-folders are checkpoints of other names (``ckpt/best``, ``ckpt/step-100``)."""
 
     storage: Storage
-    kind: str                     # "checkpoint", "root" or "folders"
-    steps: list[tuple[int, str]]  # (step, folder name) for a root
-    folders: list[str] = field(default_factory=list)  # checkpoint folder names for "folders"
+    kind: str           # "checkpoint", "root" or "folders"
+    folders: list[str]  # the checkpoint folders in it (a root's by step), none for a checkpoint
 
     def checkpoints(self) -> list[Storage]:
         """The checkpoint folders it names: itself, or the folders in it."""
-        if self.kind == "checkpoint":
-            return [self.storage]
-        return [self.storage.child(n) for n in ([n for _, n in self.steps] or self.folders)]
+        return [self.storage.child(n) for n in self.folders] if self.folders else [self.storage]
 
     def one_checkpoint(self, doing: str) -> Storage:
         """The checkpoint a command that works on one needs, or a clear error naming one."""
@@ -322,10 +319,10 @@ def locate(path: str, options: dict[str, Any]) -> Place:
     steps = sorted((int(m.group(1)), name) for name, size in listing.items()
                    if size is None and (m := STEP_RE.fullmatch(name)))
     if steps:
-        return Place(storage, "root", steps)
+        return Place(storage, "root", [name for _, name in steps])
     folders = sorted(name for name, size in listing.items() if size is None and _has_manifest(storage.child(name).listdir()))
     if folders:
-        return Place(storage, "folders", [], folders)
+        return Place(storage, "folders", folders)
     if not listing:
         from ..format.folder import read_committed
 

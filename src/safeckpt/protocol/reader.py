@@ -73,6 +73,37 @@ def _whole(dest: torch.Tensor, dtype: torch.dtype, box: Box | None, shape: list[
             and (box is None or (not any(box[0]) and list(box[1]) == shape)))
 
 
+def _job_runs(jobs: list[_Job], below: int, most: int) -> list[list[_Job]]:
+    """Jobs in file order, neighbours of whole small chunks gathered into one read of at
+    most about ``most`` bytes."""
+    jobs = sorted(jobs, key=lambda j: (j.chunk.file, j.chunk.start))
+    runs: list[list[_Job]] = []
+    i = 0
+    while i < len(jobs):
+        run = [jobs[i]]
+        size = len(jobs[i].out)
+        while (i + len(run) < len(jobs) and size < most and len(run[-1].out) < below
+               and (nxt := jobs[i + len(run)]).whole and run[-1].whole
+               and nxt.chunk.file == run[-1].chunk.file and nxt.chunk.start == run[-1].chunk.end
+               and len(nxt.out) < below):
+            run.append(nxt)
+            size += len(nxt.out)
+        i += len(run)
+        runs.append(run)
+    return runs
+
+
+def _in_threads(tasks: list[Callable[[], None]]) -> None:
+    """Run the reads on a few threads: reads release the GIL, and on object stores each
+    one is a round trip worth overlapping (one alone runs here)."""
+    if len(tasks) == 1:
+        tasks[0]()
+        return
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="safeckpt-read") as pool:
+        for future in [pool.submit(task) for task in tasks]:
+            future.result()
+
+
 def _relative(inner: Box, outer_offsets: tuple[int, ...]) -> Box:
     return tuple(o - b for o, b in zip(inner[0], outer_offsets)), inner[1]
 
@@ -99,12 +130,9 @@ class TensorReader:
         batches: dict[int, BatchedReads] = {}
         general: list[tuple[Read, torch.Tensor]] = []
         fresh: dict[tuple, torch.Tensor] = {}
-        dtypes: dict[str, torch.dtype] = {}
         for read in reads:
             entry = read.entry
-            dtype = dtypes.get(entry.dtype)
-            if dtype is None:
-                dtype = dtypes[entry.dtype] = dtype_from_name(entry.dtype, read.name)
+            dtype = dtype_from_name(entry.dtype, read.name)
             if read.dest is None:
                 # format 1 ties tensors by their shared chunks; format 2, whose distinct
                 # tensors may share chunks by content, names the tie
@@ -125,17 +153,19 @@ class TensorReader:
                 general.append((read, dest))
         for batch in batches.values():
             general += batch.keep_below(below)
-        batches = {k: b for k, b in batches.items() if b.rows}
+        batched = [b for b in batches.values() if b.rows]
         jobs: list[_Job] = []
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for (read, dest), chunks in zip(general, chunks_needed([r for r, _ in general])):
             self._plan_read(read.name, chunks, dest, read_box(read), dtype_from_name(read.entry.dtype, read.name),
                             jobs, copies)
         if self.verify:
-            self.check_headers({j.chunk.file for j in jobs}.union(*(b.files() for b in batches.values())))
-        for batch in batches.values():
-            batch.run(self._read_into, self.verify, most, READ_THREADS, self._batch_failed(batch))
-        self._execute(jobs, below, most)
+            self.check_headers({j.chunk.file for j in jobs}.union(*(b.files() for b in batched)))
+        tasks: list[Callable[[], None]] = [functools.partial(self._read_run, run)
+                                           for run in _job_runs(jobs, below, most)]
+        for batch in batched:
+            tasks += batch.tasks(self._read_into, self.verify, most, self._batch_failed(batch))
+        _in_threads(tasks)
         with torch.no_grad():
             for target, tmp in copies:
                 target.copy_(tmp)
@@ -155,8 +185,7 @@ class TensorReader:
                    dtype: torch.dtype, jobs: list[_Job], copies: list) -> None:
         """Jobs (and copies) that fill ``box`` of the tensor from ``chunks``: those that
         meet the box (``meeting``), or all of them."""
-        if (len(chunks) == 1 and dest.is_cpu and dest.dtype == dtype and dest.is_contiguous()
-                and tuple(chunks[0].shape) == box[1] == tuple(dest.shape) and not any(box[0])):
+        if len(chunks) == 1 and _whole(dest, dtype, box, list(chunks[0].shape)):
             chunk = chunks[0]  # the common case: one whole chunk straight into its tensor
             jobs.append(_Job(name, chunk, [(0, chunk.end - chunk.start)], byte_view(dest), True))
             return
@@ -180,30 +209,6 @@ class TensorReader:
                 f"{list(box[0])}+{list(box[1])}")
 
     # -- execution -------------------------------------------------------------------
-    def _execute(self, jobs: list[_Job], below: int, most: int) -> None:
-        """Read (and check) runs of jobs on a few threads: reads release the GIL, and on
-        object stores each one is a round trip worth overlapping."""
-        jobs.sort(key=lambda j: (j.chunk.file, j.chunk.start))
-        runs: list[list[_Job]] = []
-        i = 0
-        while i < len(jobs):
-            run = [jobs[i]]
-            size = len(jobs[i].out)
-            while (i + len(run) < len(jobs) and size < most and len(run[-1].out) < below
-                   and (nxt := jobs[i + len(run)]).whole and run[-1].whole
-                   and nxt.chunk.file == run[-1].chunk.file and nxt.chunk.start == run[-1].chunk.end
-                   and len(nxt.out) < below):
-                run.append(nxt)
-                size += len(nxt.out)
-            i += len(run)
-            runs.append(run)
-        if len(runs) == 1:
-            self._read_run(runs[0])
-            return
-        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="safeckpt-read") as pool:
-            for future in [pool.submit(self._read_run, run) for run in runs]:
-                future.result()
-
     def _read_run(self, run: list[_Job]) -> None:
         if len(run) > 1:
             self._read_coalesced(run, sum(len(j.out) for j in run))

@@ -177,6 +177,12 @@ def _target_box(target: Any) -> tuple[torch.Tensor, list[int], Box] | None:
     return None
 
 
+def _fits(local: torch.Tensor, global_shape: Sequence[int], entry: TensorEntry | TableEntry, where: str) -> bool:
+    """A target holding ``local`` of a tensor of ``global_shape`` loads ``entry`` in place:
+    the same shape and dtype."""
+    return list(global_shape) == entry.shape and local.dtype == dtype_from_name(entry.dtype, where)
+
+
 class LoadPlanner:
     """Matches a target state against a saved tree (see module docstring).
 
@@ -200,7 +206,6 @@ class LoadPlanner:
         self.dtypes: dict[str, tuple[torch.dtype, torch.dtype]] = {}          # key -> (state, checkpoint)
         self.early: list[tuple[Any, Thunk, str]] = []  # objects loaded before any tensor is read
         self._loaded: list[tuple[Any, Any]] = []  # (object, its state before) for undo()
-        self._dtypes: dict[str, torch.dtype] = {}  # the checkpoint's dtype names, resolved
 
     def plan(self, target: Any, node: Any, key: str = "", mode: str = "state") -> Thunk:
         if type(node) is dict and (target is None or (type(target) is dict and mode == "state")):
@@ -296,12 +301,12 @@ class LoadPlanner:
         entry = self._entry(node, key)
         if entry is None:
             return lambda: target
-        dtype = dtype_from_name(entry.dtype, key)
-        if global_shape == entry.shape and local.dtype == dtype:
+        if _fits(local, global_shape, entry, key):
             self.reads.append(Read(node["$tensor"], entry, local, box))
             return lambda: target
         if mode == "object" and isinstance(target, torch.Tensor):
             return self._fresh_tensor(node, key)  # the checkpoint's tensor replaces the object's
+        dtype = dtype_from_name(entry.dtype, key)
         if tuple(global_shape) != tuple(entry.shape):
             self.shapes[key] = (tuple(global_shape), tuple(entry.shape))
         if local.dtype != dtype:
@@ -345,12 +350,7 @@ class LoadPlanner:
         if not isinstance(name, str):
             return False
         entry = self.tensors.get(name)
-        if entry is None:
-            return False
-        dtype = self._dtypes.get(entry.dtype)
-        if dtype is None:
-            dtype = self._dtypes[entry.dtype] = dtype_from_name(entry.dtype, name)
-        if target.dtype != dtype or list(target.shape) != entry.shape:
+        if entry is None or not _fits(target, target.shape, entry, name):
             return False
         self.reads.append(Read(name, entry, target))
         return True

@@ -178,10 +178,15 @@ def _small_run(run: list[tuple[str, torch.Tensor, int, int]], first: int, size: 
             src = to_storable(t, name)  # held: a copy (of a strided view, a GPU tensor) must outlive the move
             move(address + start, src.data_ptr(), end - start)
     names, starts, ends = zip(*((name, start, end) for name, _, start, end in run))
-    sums = known[first:first + len(run)] if known is not None else \
-        slice_checksums(view, [(a - run[0][2], b - run[0][2]) for a, b in zip(starts, ends)])
+    sums = known[first:first + len(run)] if known is not None else region_checksums(view, run)
     written.extend(map(WrittenPiece, names, starts, ends, sums))
     return view
+
+
+def region_checksums(region: memoryview, run: list[tuple[str, torch.Tensor, int, int]]) -> list[list[str]]:
+    """The checksums of a run of small pieces packed back to back in ``region``."""
+    base = run[0][2]
+    return slice_checksums(region, [(start - base, end - base) for _, _, start, end in run])
 
 
 def read_header_length(prefix: "bytes | memoryview") -> int:

@@ -19,8 +19,7 @@ from typing import Union
 
 import torch
 
-from ..format.checksum import slice_checksums
-from .datafile import DataFileLayout, WrittenPiece, runs
+from .datafile import DataFileLayout, WrittenPiece, region_checksums, runs
 from .state import FlatState, Piece
 from ..format.tensors import byte_view
 
@@ -53,12 +52,6 @@ def _synchronize(devices: "set[torch.device]") -> None:
     """Wait for the asynchronous copies from these GPUs (each device has its own queue)."""
     for device in devices:
         torch.cuda.synchronize(device)
-
-
-def _region_sums(buf: torch.Tensor, run: list[tuple[str, torch.Tensor, int, int]]) -> list[list[str]]:
-    """The checksums of the small pieces packed in one region buffer."""
-    base = run[0][2]
-    return slice_checksums(byte_view(buf), [(start - base, end - base) for _, _, start, end in run])
 
 
 _NAME, _TENSOR, _START, _END = (operator.itemgetter(k) for k in range(4))  # of a layout entry
@@ -134,14 +127,14 @@ class StagingPool:
                 buf = self._buffer(key, (run[-1][3] - run[0][2],), torch.uint8, pinned)
                 self._fill_region(buf, run, pending)
                 parts.append((byte_view(buf), None))
-                sums: list[list[str]] = [[] for _ in run] if pinned else _region_sums(buf, run)  # still in cache
+                sums: list[list[str]] = [[] for _ in run] if pinned else region_checksums(byte_view(buf), run)  # still in cache
                 written += map(WrittenPiece, map(_NAME, run), map(_START, run), map(_END, run), sums)
                 if pinned:
                     on_gpu.append((i, j, buf))  # hashed once the copies from the GPU have landed
             keys.add(key)
         _synchronize(pending)  # the copies land before we return
         for i, j, buf in on_gpu:
-            for w, checksums in zip(written[i:j], _region_sums(buf, entries[i:j])):
+            for w, checksums in zip(written[i:j], region_checksums(byte_view(buf), entries[i:j])):
                 w.checksums[:] = checksums
         self._keep_only(keys)
         return StagedFile(parts, written)

@@ -51,7 +51,7 @@ def checkpoint_status(folder: Storage, step: int | None = None) -> CheckpointSta
     return CheckpointStatus(folder.url, m.step if step is None else step, found.state, bytes=m.total_bytes,
                             shared_bytes=m.shared_bytes(), file_count=len(m.files), tensor_count=len(m.tensors),
                             created=m.created, world_size=m.world_size, save_id=m.save_id,
-                            metrics=dict(m.metrics), metadata=dict(m.metadata))
+                            metrics=m.metrics, metadata=m.metadata)  # the manifest is ours (manifestcache)
 
 
 def list_checkpoints(root: "str | os.PathLike[str] | Storage", *,

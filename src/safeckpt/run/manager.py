@@ -7,13 +7,14 @@ tells the others what it saw, so the ranks never branch on listings that disagre
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 from concurrent.futures import Future
 import threading
 import time
 import uuid
-from typing import Any, cast
+from typing import Any, Callable, TypeVar, cast
 
 from ..errors import CleanupWarning, ForeignRunWarning, SkippedCheckpointWarning, warn
 from . import garbage
@@ -34,8 +35,18 @@ from ..storage import Storage
 from ..storage import open as open_storage
 
 log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _one_call_at_a_time(method: F) -> F:
+    """A manager's saves, restores and deletions run one at a time, whichever threads
+    call them: a save reads the newest checkpoint to share chunks with and its retention
+    deletes older ones, which another thread's save in progress may be sharing."""
+    @functools.wraps(method)
+    def wrapper(self: "CheckpointManager", *args: Any, **kwargs: Any) -> Any:
+        with self._calls:
+            return method(self, *args, **kwargs)
+    return wrapper  # type: ignore[return-value]
 
 
 class CheckpointManager:
@@ -47,7 +58,8 @@ class CheckpointManager:
     new run started in an old root leaves the old run's checkpoints alone; a run that
     restored from one continues it). Only ``step-NNNNNNNNN`` folders and safeckpt's own
     files in them are ever touched. One manager writes a root at a time (see
-    ``lease``). With ``async_save=True``, ``save`` returns a ``SaveFuture`` once the
+    ``lease``); any thread may call it, and its saves, restores and deletions run one
+    at a time. With ``async_save=True``, ``save`` returns a ``SaveFuture`` once the
     state is snapshotted. With ``handle_sigterm=True``, SIGTERM sets ``preempted``.
 
     With ``incremental=True`` each save writes only the chunks (``chunk_size`` bytes of
@@ -99,6 +111,7 @@ class CheckpointManager:
         self._group: SingleGroup | TorchGroup | None = None
         self._lease: WriterLease | None = None
         self._lease_lock = threading.Lock()
+        self._calls = threading.RLock()  # see _one_call_at_a_time
         self._leased = False  # every rank: the first save took the lease (rank 0 holds it)
         self._saver = AsyncSaver() if async_save else None
         self._warned_foreign = False
@@ -181,6 +194,7 @@ class CheckpointManager:
         return self._closed
 
     # -- saving ----------------------------------------------------------------------
+    @_one_call_at_a_time
     def save(self, step: int, state: dict, *, metrics: dict | None = None,
              metadata: dict | None = None) -> CheckpointInfo | SaveFuture:
         """Save ``state`` as the checkpoint of ``step``, then apply retention and
@@ -291,6 +305,7 @@ class CheckpointManager:
             self._delete(root, step, committed)
             del committed[step]
 
+    @_one_call_at_a_time
     def delete(self, step: int) -> None:
         """Delete a checkpoint (from every tier): manifests first (durably), then the data
         no other checkpoint shares, then the folder. Shared data stays (the folder
@@ -316,6 +331,7 @@ class CheckpointManager:
         log.info("deleted checkpoint of step %d from %s%s", step, root.url,
                  f" ({len(shared)} shared file(s) kept)" if shared else "")
 
+    @_one_call_at_a_time
     def gc(self, *, dry_run: bool = False, min_age_s: float | None = None) -> list[str]:
         """Remove files of interrupted saves and data no committed checkpoint needs;
         never a committed checkpoint or a file safeckpt did not write. Call it between
@@ -332,6 +348,7 @@ class CheckpointManager:
                 for name in garbage.collect(t, min_age_s=min_age_s, dry_run=dry_run)]
 
     # -- restoring ---------------------------------------------------------------------
+    @_one_call_at_a_time
     def restore(self, state: dict, step: int | None = None, *, strict: bool = True) -> int | None:
         """Load the newest valid checkpoint (or ``step``) into ``state``; return its step.
 
@@ -429,6 +446,7 @@ class CheckpointManager:
             self._nodes.sync.wait()
         return info
 
+    @_one_call_at_a_time
     def close(self) -> None:
         """Commit what is in flight; the manager cannot be used afterwards."""
         if self._closed:

@@ -19,7 +19,7 @@ from typing import Any
 from . import codec
 from .checksum import ALGORITHM, BLOCK_SIZE, checksum, is_checksum
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
-from .names import MANIFEST_RE, STEP_RE, is_shared, manifest_name, manifest_seq, root_path, shared_location  # noqa: F401
+from .names import MANIFEST_RE, is_shared, manifest_name, manifest_seq, root_path, shared_location, step_of  # noqa: F401
 from .records import Chunk, FileEntry, TensorEntry  # noqa: F401 - the manifest's parts
 from .compact import TableEntry, TensorTable, decode_table, from_entries
 from .plan import PlanError, check_coverage
@@ -41,7 +41,7 @@ def check_relpath(name: object, where: str, siblings: bool = False) -> str:
         raise CorruptCheckpointError(f"{where}: file name {name!r} is not a relative path inside the checkpoint")
     parts = name.split("/")
     if siblings and parts[0] == ".." and len(parts) == 3:
-        if not STEP_RE.fullmatch(parts[1]):
+        if step_of(parts[1]) is None:
             raise CorruptCheckpointError(
                 f"{where}: file name {name!r} refers to a folder that is not a checkpoint of the run "
                 "(step-NNNNNNNNN)")

@@ -164,11 +164,17 @@ class CheckpointManager:
     def _read(self, step: int, root: Storage | None = None) -> FolderState:
         return folder_state((root or self.save_root).child(step_folder(step)))
 
-    def _committed(self, root: Storage | None = None) -> dict[int, Manifest]:
+    def _committed(self, root: Storage | None = None, complete: bool = False) -> dict[int, Manifest]:
+        """Step -> manifest of the committed steps; ``complete``: raise ``StorageError``
+        if a step folder cannot be read (retention must know every checkpoint that may
+        share the data it deletes, and its metrics)."""
         out: dict[int, Manifest] = {}
         for step in self._step_folders(root):
-            if (m := self._read(step, root).manifest) is not None:
-                out[step] = m
+            found = self._read(step, root)
+            if complete and found.state is CheckpointState.UNREADABLE:
+                raise StorageError(f"retention stopped: {found.problem}")
+            if found.manifest is not None:
+                out[step] = found.manifest
         return out
 
     def steps(self) -> list[int]:
@@ -290,7 +296,7 @@ class CheckpointManager:
                 protect: "set[int] | frozenset[int]" = frozenset(), fenced: bool = True) -> None:
         if retention.keeps_all:
             return
-        committed = self._committed(root)
+        committed = self._committed(root, complete=True)
         mine = {s: m.metrics for s, m in committed.items() if m.run_id == self.run_id}
         others = sorted(s for s, m in committed.items() if m.run_id != self.run_id)
         if others and not self._warned_foreign:
@@ -313,7 +319,7 @@ class CheckpointManager:
         self._check_lease()
         self.wait()
         for root in self.tiers:
-            self._delete(root, step, self._committed(root))
+            self._delete(root, step, self._committed(root, complete=True))
 
     def _delete(self, root: Storage, step: int, committed: dict[int, Manifest]) -> None:
         name = step_folder(step)
@@ -376,9 +382,12 @@ class CheckpointManager:
             if status is CheckpointState.RETIRED:
                 continue
             if status is not CheckpointState.COMMITTED:
-                # a crash can leave only the newest save torn; older damage is corruption
-                failed = failed or (status is CheckpointState.CORRUPT and (not first_of_tier or step is not None))
-                skipped.append(f"step {candidate} in {root.url}: not committed ({problem})")
+                # a crash can leave only the newest save torn; older damage is corruption, and
+                # an unreadable folder may hold a commit: nothing loading is then an error
+                failed = failed or status is CheckpointState.UNREADABLE or (
+                    status is CheckpointState.CORRUPT and (not first_of_tier or step is not None))
+                why = "unreadable" if status is CheckpointState.UNREADABLE else "not committed"
+                skipped.append(f"step {candidate} in {root.url}: {why} ({problem})")
                 self._damaged.add(candidate)
                 continue
             try:

@@ -168,8 +168,8 @@ class SafeCheckpointIO(TorchCheckpointIO):
             self._save_folder(checkpoint, path, options)
 
     def _storage(self, url: str, options: dict) -> Storage:
-        """The storage of the folder ``url`` (the one place this plugin opens storage;
-        a subclass may wrap it)."""
+        """The storage of the folder ``url`` that a file-layout checkpoint is written
+        into (a subclass may wrap it: the tests kill the process mid-write there)."""
         return open_storage(url, **options)
 
     def _save_file(self, checkpoint: dict, path: Any, options: dict) -> None:

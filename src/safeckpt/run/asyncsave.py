@@ -95,6 +95,13 @@ class AsyncSaver:
                     raise
                 snapshot = _raiser(exc)  # the other ranks must learn of it, or they would wait
             work = lambda: request.run(snapshot, started)  # noqa: E731
+        return self.run_in_background(work, started, on_done)
+
+    def run_in_background(self, work: Callable[[], Any], started: float,
+                          on_done: Callable[[Any, float], None] | None = None) -> SaveFuture:
+        """Run ``work`` (a save whose state is already snapshotted, started at
+        ``started``) on the background thread; its error is delivered as ``submit``'s
+        are. Call ``wait()`` first: one save is in flight at a time."""
         future = SaveFuture(time.perf_counter() - started)
         thread = threading.Thread(target=self._run, args=(future, work, on_done),
                                   name="safeckpt-async-save")  # not a daemon: exit waits for it
@@ -103,8 +110,8 @@ class AsyncSaver:
         thread.start()
         return future
 
-    def _run(self, future: SaveFuture, work: Callable[[], CheckpointInfo],
-             on_done: Callable[[CheckpointInfo, float], None] | None) -> None:
+    def _run(self, future: SaveFuture, work: Callable[[], Any],
+             on_done: Callable[[Any, float], None] | None) -> None:
         try:
             info = work()
             if on_done is not None:

@@ -311,6 +311,25 @@ def test_save_does_not_advance_generators_and_load_restores_them(tmp_path, layou
         sa.set_rng_states(saved_rng)
 
 
+def test_a_root_accelerate_cannot_write_gets_the_safeckpt_layout(tmp_path):
+    """accelerator.save_state writes with open(): an object-store URL (here fsspec's
+    memory://) is saved in the safeckpt layout unless the accelerate one is asked for."""
+    from accelerate import Accelerator
+
+    pytest.importorskip("fsspec")
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(4, 2))
+    root = f"memory://{tmp_path.name}/run"
+    with pytest.raises(ValueError, match="layout='safeckpt'"):
+        sa.save_state(accelerator, root, 1, layout="accelerate")
+    info = sa.save_state(accelerator, root, 2)
+    assert info.metadata["layout"] == "safeckpt"
+    want = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    assert sa.load_state(accelerator, root) == 2 and torch.equal(model.weight, want)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)  # before the fork: the killed run must not inherit an OpenMP pool
     child_main(json.loads(Path(sys.argv[1]).read_text()))

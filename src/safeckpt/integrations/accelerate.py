@@ -168,18 +168,22 @@ def _state(accelerator: Any, rng: Any) -> dict:
 
 
 def save_state(accelerator: Any, root: str | os.PathLike[str] | Storage | CheckpointManager, step: int, *,
-               metrics: dict | None = None, metadata: dict | None = None, layout: str = "accelerate",
+               metrics: dict | None = None, metadata: dict | None = None, layout: str | None = None,
                **manager_options: Any) -> CheckpointInfo | SaveFuture:
     """Save everything the accelerator tracks as the checkpoint of ``step`` under
     ``root``; retention (``keep_last=`` ...) runs after the commit. Call it on every
-    process. ``layout="accelerate"`` (the default): ``accelerator.save_state`` writes the
-    step folder (``root`` must be a folder every process sees), then it is sealed;
-    returns the seal's ``CheckpointInfo``. ``layout="safeckpt"``: returns what
-    ``CheckpointManager.save`` returns."""
+    process. ``layout="accelerate"``: ``accelerator.save_state`` writes the step folder
+    (``root`` must be a folder every process sees), then it is sealed; returns the
+    seal's ``CheckpointInfo``. ``layout="safeckpt"``: returns what
+    ``CheckpointManager.save`` returns. By default, ``"accelerate"`` for a local folder
+    and ``"safeckpt"`` for other URLs (``s3://...``) and managers with a local tier,
+    where ``accelerator.save_state`` cannot write."""
     _check(accelerator)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+    if layout not in (None, *LAYOUTS):
+        raise ValueError(f"layout must be one of {LAYOUTS} (or None), not {layout!r}")
     mgr = checkpoint_manager(accelerator, root, **manager_options)
+    if layout is None:
+        layout = "accelerate" if _writable_folder(mgr) else "safeckpt"
     meta = {"integration": "accelerate", "accelerate_version": accelerate.__version__, "layout": layout,
             **(metadata or {})}
     if layout == "accelerate":
@@ -246,15 +250,20 @@ def _newest_layout(root: Storage) -> str:
     return "accelerate"
 
 
+def _writable_folder(mgr: CheckpointManager) -> bool:
+    """Whether ``accelerator.save_state`` can write the manager's step folders: a local
+    (or mounted) root without a local tier."""
+    return isinstance(mgr.save_root, LocalStorage) and mgr.local is None
+
+
 def _folder(mgr: CheckpointManager, step: int) -> str:
     if type(step) is not int or step < 0:
         raise ValueError(f"step must be a non-negative int, not {step!r}")
-    root = mgr.save_root
-    if not isinstance(root, LocalStorage) or mgr.local is not None:
+    if not _writable_folder(mgr):
         raise ValueError(f"save_state(layout='accelerate') writes with accelerator.save_state, which needs a "
-                         f"folder every process sees, not {root.url} (or a local tier); use layout='safeckpt' "
-                         "for object stores and other URLs")
-    return os.path.join(root.path, step_folder(step))
+                         f"folder every process sees, not {mgr.save_root.url} (or a local tier); use "
+                         "layout='safeckpt' for object stores and other URLs")
+    return os.path.join(cast(LocalStorage, mgr.save_root).path, step_folder(step))
 
 
 def _clear(mgr: CheckpointManager, step: int, path: str) -> None:

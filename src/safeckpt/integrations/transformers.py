@@ -407,8 +407,9 @@ class SafeTrainerMixin(_TrainerBase):
         super()._push_from_checkpoint(checkpoint_folder)
 
     def _safeckpt_write(self, trial: Any, run_dir: str, output_dir: str) -> None:
-        """The safeckpt layout: the Trainer's model files (``save_model``), then one
-        safeckpt checkpoint of the rest, committed over every process."""
+        """The safeckpt layout: the Trainer's model files (``save_model``; an FSDP model
+        is saved as its shards instead), then one safeckpt checkpoint of the rest,
+        committed over every process."""
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         self._safeckpt_track_best(run_dir, output_dir)
@@ -419,7 +420,8 @@ class SafeTrainerMixin(_TrainerBase):
                 callbacks[name].append(cb.state())
             else:
                 callbacks[name] = cb.state()
-        self.save_model(output_dir, _internal_call=True)
+        if not is_fsdp(self.model):  # (an FSDP model goes into the data file as its shards)
+            self.save_model(output_dir, _internal_call=True)
         state = self._safeckpt_state()
         if self.args.should_save:
             with contextlib.suppress(FileNotFoundError):  # a pickle of the arguments, which nothing reads back

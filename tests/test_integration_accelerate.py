@@ -106,6 +106,8 @@ def child_killed(plan: dict, layout: str) -> None:
     """Train, saving in ``layout``, and die during the save of step KILL_AT: before the
     seal (``point`` "seal"), half way through Accelerate's optimizer.bin ("files"), or
     for the safeckpt layout between its data and its manifest."""
+    from kill_points import die_writing
+
     from safeckpt.storage.local import LocalStorage
 
     run, point = plan[layout], plan.get("point", "seal")
@@ -115,7 +117,7 @@ def child_killed(plan: dict, layout: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
 
-    real_write, real_seal, real_torch_save = LocalStorage.write_file, sa.seal, torch.save
+    real_write, real_seal = LocalStorage.write_file, sa.seal
 
     def write_file(self, name, parts):
         if name.startswith("manifest-") and self.path.endswith(torn) and layout == "safeckpt":
@@ -127,14 +129,9 @@ def child_killed(plan: dict, layout: str) -> None:
             die()
         return real_seal(path, **kwargs)
 
-    def torch_save(obj, f, *args, **kwargs):
-        if point == "files" and str(f).endswith(f"{torn}/optimizer.bin"):
-            with open(f, "wb") as half:
-                half.write(b"\0" * 1024)
-            die()
-        return real_torch_save(obj, f, *args, **kwargs)
-
-    LocalStorage.write_file, sa.seal, torch.save = write_file, seal, torch_save
+    LocalStorage.write_file, sa.seal = write_file, seal
+    if point == "files":
+        die_writing(f"{torn}/optimizer.bin", die)
     parts = _setup(model_seed=0)
 
     def report(losses):
@@ -331,5 +328,6 @@ def test_a_root_accelerate_cannot_write_gets_the_safeckpt_layout(tmp_path):
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
     torch.set_num_threads(1)  # before the fork: the killed run must not inherit an OpenMP pool
     child_main(json.loads(Path(sys.argv[1]).read_text()))

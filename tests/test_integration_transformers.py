@@ -141,11 +141,13 @@ def child_killed(arg: str) -> None:
     kills from outside as soon as checkpoint-6 appears, a pause before the seal makes
     sure it can), and for the safeckpt layout ``commit`` (its data written, no manifest
     at all) and ``data`` (part of its data file written)."""
+    from kill_points import die_writing
+
     from safeckpt.storage.local import LocalStorage
 
     kind, out, point = (arg.split(":") + ["seal"])[:3]
     torn = f"checkpoint-{KILL_AT}"
-    real_seal, real_write, real_torch_save = hf.seal, LocalStorage.write_file, torch.save
+    real_seal, real_write = hf.seal, LocalStorage.write_file
 
     def seal(path, **kwargs):
         if point in ("seal", "external") and str(path).endswith(torn):
@@ -153,13 +155,6 @@ def child_killed(arg: str) -> None:
                 time.sleep(30)
             _die()
         return real_seal(path, **kwargs)
-
-    def torch_save(obj, f, *args, **kwargs):
-        if point == "files" and str(f).endswith(f"{torn}/optimizer.pt"):
-            with open(f, "wb") as half:
-                half.write(b"\0" * 4096)
-            _die()
-        return real_torch_save(obj, f, *args, **kwargs)
 
     def write_file(self, name, parts):
         if self.path.endswith(torn) and kind == "safeckpt":
@@ -174,7 +169,9 @@ def child_killed(arg: str) -> None:
                 return real_write(self, name, some_then_die())
         return real_write(self, name, parts)
 
-    hf.seal, torch.save, LocalStorage.write_file = seal, torch_save, write_file
+    hf.seal, LocalStorage.write_file = seal, write_file
+    if point == "files":
+        die_writing(f"{torn}/optimizer.pt", _die)
     _trainer(kind, out, model_seed=0, callbacks=[_RecordStep4(out).callback]).train()
     raise AssertionError("the run was not killed")
 
@@ -619,6 +616,7 @@ def test_seal_refuses_empty_folders_and_unnameable_files(tmp_path):
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
     if sys.argv[1:] == ["serve"]:
         serve()
     else:  # run one child mode directly (debugging)

@@ -268,10 +268,11 @@ def _folder(mgr: CheckpointManager, step: int) -> str:
 
 def _clear(mgr: CheckpointManager, step: int, path: str) -> None:
     """Before writing ``path``: a folder there is removed (manifest first), unless it is a
-    committed checkpoint of another run."""
+    committed checkpoint of another run (as ``CheckpointManager.save`` refuses to
+    replace one)."""
     found = folder_state(mgr.save_root.child(step_folder(step)))
     if found.state is CheckpointState.COMMITTED and found.manifest is not None \
-            and found.manifest.run_id not in (None, mgr.run_id):
+            and found.manifest.run_id != mgr.run_id:
         raise CheckpointExistsError(
             f"{path} holds a committed checkpoint of another run; load_state() it to continue that run, "
             "or save to another root")

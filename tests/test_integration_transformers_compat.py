@@ -119,12 +119,8 @@ def test_resume_from_a_missing_folder_raises_the_trainers_error(tmp_path):
         trainer("safe", tmp_path / "out").train(resume_from_checkpoint=str(tmp_path / "checkpoint-9-bogus"))
 
 
-def test_named_checkpoint_resharded_by_hand_resumes_exactly_with_a_warning(run, tmp_path):
-    """model.safetensors split into shards and an index after the seal (the stock
-    Trainer loads that): the files the seal names that remain are checked, the change
-    is reported, and the run ends where the uninterrupted one did."""
-    out = copy_of(run, tmp_path)
-    ckpt = out / "checkpoint-2"
+def reshard_by_hand(ckpt: Path) -> None:
+    """Split model.safetensors into two shards and an index, as the stock Trainer loads."""
     state = load_file(str(ckpt / "model.safetensors"))
     (ckpt / "model.safetensors").unlink()
     names = sorted(state)
@@ -134,10 +130,26 @@ def test_named_checkpoint_resharded_by_hand_resumes_exactly_with_a_warning(run, 
         save_file({k: state[k].contiguous() for k in keys}, str(ckpt / shard), metadata={"format": "pt"})
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {k: shard for shard, keys in shards.items() for k in keys}}))
+
+
+def test_named_checkpoint_resharded_by_hand_resumes_exactly_with_a_warning(run, tmp_path):
+    """model.safetensors split into shards after the seal: the files the seal names
+    that remain are checked, the change is reported, and the run ends where the
+    uninterrupted one did."""
+    out = copy_of(run, tmp_path)
+    reshard_by_hand(out / "checkpoint-2")
     t = trainer("safe", out, model=gpt2(seed=9))
     with pytest.warns(UserWarning, match="model.safetensors removed"):
-        t.train(resume_from_checkpoint=str(ckpt))
+        t.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert same(weights(t.model), run["weights"])
+
+
+def test_safeckpt_layout_resharded_by_hand_is_refused(tmp_path):
+    """Its data file is read through the seal, which no longer matches the folder."""
+    trainer("safeckpt", tmp_path / "out", max_steps=2).train()
+    reshard_by_hand(tmp_path / "out" / "checkpoint-2")
+    with pytest.raises(safeckpt.CorruptCheckpointError, match="model.safetensors removed since it was sealed"):
+        trainer("safeckpt", tmp_path / "out").train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
 
 
 def test_named_checkpoint_with_a_flipped_byte_is_refused(run, tmp_path):

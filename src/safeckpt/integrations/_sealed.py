@@ -86,7 +86,9 @@ def check_named(path: str, covers: Collection[str] = ()) -> None:
     """Before resuming from a folder the user named: it must carry a seal, and every
     file the seal names that is still there must match its checksum. Files removed or
     added since the seal (a checkpoint re-sharded by hand) are reported with a warning
-    and left to the tool's own loader; anything else raises ``CorruptCheckpointError``."""
+    and left to the tool's own loader, unless the seal also holds safeckpt's own data
+    (read only through a seal that matches); anything else raises
+    ``CorruptCheckpointError``."""
     if seal_problem(path, covers) is None:
         return
     storage = open_storage(path)
@@ -106,6 +108,9 @@ def check_named(path: str, covers: Collection[str] = ()) -> None:
             bad.append(f"{name} has {size} bytes, its seal says {f.size}")
         else:
             bad += reader.verify_file(name)
+    if seal.tensors and gone:  # safeckpt's own data is read through the seal: it must hold
+        bad.append(f"{', '.join(gone)} removed since it was sealed, and its safeckpt data loads only "
+                   "through a seal that matches the folder")
     if bad or not gone:
         raise CorruptCheckpointError(f"cannot resume from {path}: " + "; ".join(bad or [str(seal_problem(path, covers))]))
     warn(f"resuming from {path}, which changed after it was sealed: {', '.join(gone)} removed; "

@@ -308,6 +308,21 @@ def test_save_does_not_advance_generators_and_load_restores_them(tmp_path, layou
         sa.set_rng_states(saved_rng)
 
 
+def test_sealed_folders_keep_their_metrics_for_retention(tmp_path):
+    """keep_best over the accelerate layout: the metrics go into each seal, and
+    retention (after each seal) keeps the best and the newest."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(4, 2))
+    for step, loss in ((1, 0.5), (2, 0.1), (3, 0.4), (4, 0.3)):
+        info = sa.save_state(accelerator, tmp_path, step, metrics={"loss": loss},
+                             keep_last=1, keep_best=1, best_metric="loss")
+        assert info.step == step
+    assert safeckpt.CheckpointManager(tmp_path).steps() == [2, 4]
+    assert [s.metrics for s in safeckpt.list_checkpoints(tmp_path)] == [{"loss": 0.1}, {"loss": 0.3}]
+
+
 def test_a_root_accelerate_cannot_write_gets_the_safeckpt_layout(tmp_path):
     """accelerator.save_state writes with open(): an object-store URL (here fsspec's
     memory://) is saved in the safeckpt layout unless the accelerate one is asked for."""

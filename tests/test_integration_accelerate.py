@@ -342,6 +342,34 @@ def test_a_root_accelerate_cannot_write_gets_the_safeckpt_layout(tmp_path):
     assert sa.load_state(accelerator, root) == 2 and torch.equal(model.weight, want)
 
 
+def test_two_threads_asking_at_once_share_one_manager(tmp_path, monkeypatch):
+    """Two threads (a training loop and a callback thread) asking for the manager of one
+    root at the same moment get the same one: two would be two writers of one root."""
+    import threading
+
+    from accelerate import Accelerator
+
+    made = []
+
+    class SlowManager(safeckpt.CheckpointManager):  # widens the window between looking and making
+        def __init__(self, *args, **kwargs):
+            time.sleep(0.3)
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(sa, "CheckpointManager", SlowManager)
+    accelerator = Accelerator(cpu=True)
+    got: list = []
+    threads = [threading.Thread(target=lambda: got.append(sa.checkpoint_manager(accelerator, tmp_path / "run")))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and got[0] is got[1] is made[0]
+    made[0].close()
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
     torch.set_num_threads(1)  # before the fork: the killed run must not inherit an OpenMP pool

@@ -46,7 +46,9 @@ def sealed_or_why(path: str, covers: Collection[str] = ()) -> Manifest | str:
     if found.state is CheckpointState.NEWER_FORMAT:
         raise UnsupportedFormatError(found.problem)  # never passed over for an older checkpoint
     if found.manifest is None:
-        return f"damaged: {found.problem}" if found.state is CheckpointState.CORRUPT else NOT_SEALED
+        if found.state in (CheckpointState.CORRUPT, CheckpointState.UNREADABLE):
+            return f"{'damaged' if found.state is CheckpointState.CORRUPT else 'unreadable'}: {found.problem}"
+        return NOT_SEALED
     missing = sorted(set(covers) - set(found.manifest.files))
     if missing:
         return f"not sealed: its manifest does not cover {', '.join(missing)} (a save interrupted before its seal)"

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import weakref
 from typing import Any, cast
 
@@ -70,6 +71,7 @@ __all__ = ["LAYOUTS", "checkpoint_manager", "load_state", "rng_states", "save_st
 LAYOUTS = ("accelerate", "safeckpt")
 
 _MANAGERS: weakref.WeakKeyDictionary[Any, dict[str, CheckpointManager]] = weakref.WeakKeyDictionary()
+_MANAGERS_LOCK = threading.Lock()
 _UNSUPPORTED = {DistributedType.MEGATRON_LM: "Megatron-LM", DistributedType.XLA: "torch_xla"}
 
 
@@ -91,12 +93,13 @@ def checkpoint_manager(accelerator: Any, root: str | os.PathLike[str] | Storage 
     else:
         text = os.fspath(root)
         key = text if is_remote(text) else os.path.abspath(text)
-    managers = _MANAGERS.setdefault(accelerator, {})
-    mgr = managers.get(key)
-    if mgr is None or mgr.closed:
-        # open_storage (in CheckpointManager) takes a PathLike too; its annotation says str
-        mgr = managers[key] = CheckpointManager(cast("str | Storage", root), **options)
-        return mgr
+    with _MANAGERS_LOCK:  # two threads asking at once get one manager, not two writers of one root
+        managers = _MANAGERS.setdefault(accelerator, {})
+        mgr = managers.get(key)
+        if mgr is None or mgr.closed:
+            # open_storage (in CheckpointManager) takes a PathLike too; its annotation says str
+            mgr = managers[key] = CheckpointManager(cast("str | Storage", root), **options)
+            return mgr
     retention = {k: v for k, v in options.items() if k in _RETENTION}
     if retention:
         current = {k: getattr(mgr.retention, k) for k in _RETENTION}

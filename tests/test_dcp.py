@@ -63,7 +63,8 @@ def root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def two(launch, root) -> dw.Launch:
-    return launch(2, ["dcp_fsdp_save", "dcp_resave", "dcp_raise", "dcp_async", "dcp_empty", "dcp_transformed"], root)
+    return launch(2, ["dcp_fsdp_save", "dcp_resave", "dcp_raise", "dcp_async", "dcp_empty", "dcp_transformed",
+                      "dcp_sharded_tensor"], root)
 
 
 def no_problems(results: list[dict], what: str) -> None:
@@ -162,7 +163,9 @@ def test_async_save(two):
 
 
 def test_dtensor_on_a_2d_mesh(launch, root):
-    no_problems(launch(4, ["dcp_2d"], root).results("dcp_2d"), "DTensor on a 2x2 mesh")
+    done = launch(4, ["dcp_2d", "dcp_reshard"], root)
+    no_problems(done.results("dcp_2d"), "DTensor on a 2x2 mesh")
+    no_problems(done.results("dcp_reshard"), "a 2-D DTensor saved with each placement, loaded with every other")
     (name,) = [p for p in (root / "dt2").iterdir() if p.name.startswith("manifest-")]
     manifest = decode_manifest(name.read_bytes(), str(name))
     assert manifest.version == WRITE_VERSION  # DCP saves write the compact tables too
@@ -256,6 +259,12 @@ def _state() -> dict:
             "optim": {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.full((3, 4), 0.5)}},
                       "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w"]}]},
             **cw.extras(4)}
+
+
+def test_an_empty_state_saves_and_loads(tmp_path):
+    dcp.save({}, storage_writer=safeckpt.dcp.Writer(str(tmp_path / "c")))
+    dcp.load({}, storage_reader=safeckpt.dcp.Reader(str(tmp_path / "c")))
+    assert safeckpt.verify(str(tmp_path / "c")).ok and safeckpt.load_state(str(tmp_path / "c")) == {}
 
 
 def test_empty_planner_load_into_an_empty_dict(tmp_path):
@@ -487,11 +496,25 @@ def _stored(path: Path) -> bytes:
     return b"".join(p.read_bytes() for p in sorted(path.iterdir()) if p.name.startswith("data-"))
 
 
+class _Blob:
+    """A stateful object whose state is bytes (DCP saves it as a value item)."""
+
+    def __init__(self, blob: bytes) -> None:
+        self.state = {"blob": blob}
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
 def test_stream_transforms_are_recorded_checked_and_undone(tmp_path):
     path = tmp_path / "c"
     state = {"w": torch.arange(4096.0), "b": torch.ones(3, dtype=torch.bfloat16), "e": torch.empty(0, 2),
              "step": 4, "train": io.BytesIO(b"position")}
-    dcp.save(state, storage_writer=safeckpt.dcp.Writer(str(path), _extensions=[cw.Xor.make()]))
+    blob = _Blob(b"blob-bytes")
+    dcp.save({**state, "blob": blob}, storage_writer=safeckpt.dcp.Writer(str(path), _extensions=[cw.Xor.make()]))
     body = _manifest(path)
     assert body["format_version"] == 4
     assert body["transformed"]["w"]["transforms"] == ["test.xor/1"] and body["transformed"]["w"]["dtype"] == "float32"
@@ -499,9 +522,10 @@ def test_stream_transforms_are_recorded_checked_and_undone(tmp_path):
     assert raw[:4096] not in _stored(path) and bytes(x ^ 0x5A for x in raw[:4096]) in _stored(path)
     assert safeckpt.verify(str(path)).ok  # the checksums are of the stored bytes: no transform needed
     target = {"w": torch.zeros(4096), "b": torch.zeros(3, dtype=torch.bfloat16), "e": torch.empty(0, 2), "step": 0,
-              "train": io.BytesIO()}
+              "train": io.BytesIO(), "blob": _Blob(b"")}
     dcp.load(target, storage_reader=safeckpt.dcp.Reader(str(path), _extension_registry=cw.Xor.registry()))
     assert target.pop("train").getvalue() == b"position"
+    assert target.pop("blob").state == {"blob": b"blob-bytes"}  # loaded in place, through its load_state_dict
     assert dw.compare(target, {k: v for k, v in state.items() if k != "train"}) == []
     # the transform not registered: a typed error that names it and says what to do
     error = _failure(lambda: dcp.load(target, storage_reader=safeckpt.dcp.Reader(str(path))))
@@ -564,3 +588,7 @@ def test_a_crafted_transformed_record_is_a_corrupt_checkpoint(tmp_path, case):
 def test_transformed_dtensors_load_resharded_on_2_ranks(two, root):
     no_problems(two.results("dcp_transformed"), "DTensors through a stream transform, loaded resharded")
     assert safeckpt.verify(str(root / "xor")).ok
+
+
+def test_sharded_tensors_reshard_and_switch_with_plain_tensors(two):
+    no_problems(two.results("dcp_sharded_tensor"), "ShardedTensor saved 2 shards a rank, loaded as others and plain")

@@ -317,6 +317,68 @@ def sc_dcp_2d(ctx: dw.Ctx) -> dict:
             + dw.compare(target["bias"], dw.BIAS(), "bias")}
 
 
+def sc_dcp_reshard(ctx: dw.Ctx) -> dict:
+    """A 2-D DTensor saved with every placement of a 2x2 mesh, loaded with every other one
+    and on a 1-D mesh of the same ranks (DCP's own resharding matrix)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import safeckpt.dcp
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh2, mesh1 = dw._mesh((2, 2)), dw._mesh((ctx.world,))
+    full = torch.arange(48, dtype=torch.float32).reshape(8, 6)
+    two = [[Replicate(), Replicate()], [Replicate(), Shard(0)], [Shard(0), Replicate()], [Shard(0), Shard(1)]]
+    problems = []
+    for i, saved in enumerate(two):
+        path = str(ctx.root / f"reshard{i}")
+        dcp.save({"t": distribute_tensor(full, mesh2, saved)}, storage_writer=safeckpt.dcp.Writer(path))
+        loads = [(mesh2, p) for p in two if p != saved] + [(mesh1, [Shard(0)]), (mesh1, [Replicate()])]
+        for mesh, placement in loads:
+            target = {"t": distribute_tensor(full * 0, mesh, placement)}
+            dcp.load(target, storage_reader=safeckpt.dcp.Reader(path))
+            problems += dw.compare(target["t"], full, f"{saved} -> {placement}")
+    return {"problems": problems}
+
+
+def _sharded(spec, full):
+    """A ShardedTensor of ``spec`` holding ``full`` (each rank fills its own shards)."""
+    from torch.distributed._shard import sharded_tensor
+    t = sharded_tensor.zeros(spec, *full.shape, init_rrefs=False)
+    for shard in t.local_shards():
+        (r, c), (h, w) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        shard.tensor.copy_(full[r:r + h, c:c + w])
+    return t
+
+
+def _sharded_problems(t, full, key: str) -> list:
+    out = []
+    for shard in t.local_shards():
+        (r, c), (h, w) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        out += dw.compare(shard.tensor, full[r:r + h, c:c + w], f"{key}@{r},{c}")
+    return out
+
+
+def sc_dcp_sharded_tensor(ctx: dw.Ctx) -> dict:
+    """ShardedTensors (torch.distributed._shard), two shards per rank, loaded as another
+    sharding (uneven, enumerated) and as a plain tensor; a plain tensor loaded as a
+    ShardedTensor."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import safeckpt.dcp
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec, ShardMetadata
+    four = ChunkShardingSpec(dim=0, placements=["rank:0", "rank:1", "rank:1", "rank:0"])
+    rows = ChunkShardingSpec(dim=1, placements=["rank:0", "rank:1"])
+    uneven = EnumerableShardingSpec([ShardMetadata([0, 0], [3, 20], "rank:1"), ShardMetadata([3, 0], [7, 20], "rank:0")])
+    full = torch.arange(200, dtype=torch.float32).reshape(10, 20)
+    path = str(ctx.root / "sharded_tensor")
+    dcp.save({"st": _sharded(four, full), "plain": full + 1}, storage_writer=safeckpt.dcp.Writer(path))
+    target = {"st": _sharded(uneven, full * 0), "plain": _sharded(rows, full * 0)}
+    dcp.load(target, storage_reader=safeckpt.dcp.Reader(path))
+    as_plain = {"st": torch.zeros(10, 20)}
+    dcp.load(as_plain, storage_reader=safeckpt.dcp.Reader(path))
+    return {"problems": _sharded_problems(target["st"], full, "st") + _sharded_problems(target["plain"], full + 1, "plain")
+            + dw.compare(as_plain["st"], full, "st as a plain tensor")}
+
+
 # -- SIGKILL during a re-save into the same folder ----------------------------------------------
 
 

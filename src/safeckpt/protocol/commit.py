@@ -422,6 +422,9 @@ class SaveRun:
         raise SaveAbortedError(message, errors) from cause
 
 
+EXISTS = "Checkpoint already exists"  # DCP's words for this refusal: code that matches them keeps working
+
+
 def refuse_existing(storage: Storage, old: Manifest | None, max_seq: int,
                     overwrite: "bool | Callable[[Manifest | None], bool]") -> None:
     """Raise ``CheckpointExistsError`` unless a save may go ahead in a folder whose
@@ -433,10 +436,10 @@ def refuse_existing(storage: Storage, old: Manifest | None, max_seq: int,
     if old is not None:
         step = "" if old.step is None else f" (step {old.step})"
         raise CheckpointExistsError(
-            f"a committed checkpoint exists at {storage.url}{step}; pass overwrite=True to replace it "
+            f"{EXISTS}: a committed checkpoint exists at {storage.url}{step}; pass overwrite=True to replace it "
             "atomically, or save to another path")
     raise CheckpointExistsError(
-        f"{storage.url} holds a manifest that is not valid: left by a save that crashed while writing "
+        f"{EXISTS}: {storage.url} holds a manifest that is not valid: left by a save that crashed while writing "
         "it, or being written right now by another save; pass overwrite=True to replace it")
 
 

@@ -213,6 +213,7 @@ class TableBuilder:
         self.c_offsets: list[Any] = []
         self.c_shape: list[Any] = []
         self.aliases: list[tuple[int, int]] = []  # (tied tensor, the tensor it is tied to)
+        self.source = np.zeros(0, dtype=np.int64)  # see build
 
     def tensor(self, name: str, dtype: str, shape: Any, tied_to: str | None = None) -> int:
         """The index of tensor ``name``, added on first sight."""
@@ -268,41 +269,52 @@ class TableBuilder:
             src = self.index[first]
             self.aliases.append((self.tensor(name, self.dtypes[self.t_dtype[src]], self.t_shape[src], first), src))
 
-    def _with_aliases(self, chunks: ChunkColumns) -> ChunkColumns:
-        """Every alias given the chunks of its tensor, appended alias after alias."""
+    def _with_aliases(self, chunks: ChunkColumns) -> tuple[ChunkColumns, np.ndarray]:
+        """Every alias given the chunks of its tensor, appended alias after alias; and
+        the chunk each row is (a copy of)."""
         order = np.argsort(chunks.tensor, kind="stable")
         counts = np.bincount(chunks.tensor, minlength=len(self.names))
         first = np.concatenate(([0], np.cumsum(counts)))
         alias, src = (np.asarray(c, dtype=np.int64) for c in zip(*self.aliases))
-        copies = chunks.take(order[segments(first[src], counts[src])])
+        copied = order[segments(first[src], counts[src])]
+        copies = chunks.take(copied)
         copies.tensor = np.repeat(alias, counts[src])
-        return ChunkColumns.join([chunks, copies])
+        return ChunkColumns.join([chunks, copies]), np.concatenate((np.arange(len(chunks.tensor)), copied))
 
     def build(self, file_names: list[str], block_size: int) -> "TensorTable":
         """The table, its chunks naming files by their position in ``file_names`` (the
-        manifest's ``files``)."""
+        manifest's ``files``). ``source`` is then, for each of its chunk rows, the
+        chunk added (in the order added) that it holds: a table of the same layout is
+        ``refill``ed from new chunks added in that order."""
         self._flush()
         chunks = ChunkColumns.join(self.parts)
+        self.source = np.arange(len(chunks.tensor), dtype=np.int64)
         if self.aliases:
-            chunks = self._with_aliases(chunks)
+            chunks, self.source = self._with_aliases(chunks)
         if (chunks.tensor[1:] < chunks.tensor[:-1]).any():  # tensor after tensor (rank 0 adds them so)
-            chunks = chunks.take(np.argsort(chunks.tensor, kind="stable"))
+            by_tensor = np.argsort(chunks.tensor, kind="stable")
+            chunks, self.source = chunks.take(by_tensor), self.source[by_tensor]
         file_index = {n: i for i, n in enumerate(file_names)}
         files = np.asarray([file_index[f] for f in chunks.files] or [0], dtype=np.int64)
-        sums = chunks.sums
-        used = first_seen(sums.algorithm, len(sums.algorithms))  # the algorithms in order of first use
-        relabel = np.zeros(len(sums.algorithms) or 1, dtype=np.int64)
-        relabel[used] = np.arange(len(used))
+        algorithms, c_alg = _used_algorithms(chunks.sums)
         ndim = np.asarray([len(s) for s in self.t_shape], dtype=np.int64)
         tied = [-1 if t is None else self.index[t] for t in self.t_tied]
         return TensorTable(
-            self.names, self.dtypes, [sums.algorithms[k] for k in used.tolist()], list(file_names), block_size,
+            self.names, self.dtypes, algorithms, list(file_names), block_size,
             t_dtype=np.asarray(self.t_dtype, dtype=np.int64), t_ndim=ndim,
             t_chunks=np.bincount(chunks.tensor, minlength=len(self.names)).astype(np.int64),
             t_tied=np.asarray(tied, dtype=np.int64),
             shape=np.fromiter(itertools.chain.from_iterable(self.t_shape), dtype=np.int64, count=int(ndim.sum())),
             c_file=files[chunks.file], c_start=chunks.start, c_length=chunks.end - chunks.start,
-            c_alg=relabel[sums.algorithm], offsets=chunks.offsets, box=chunks.shape, digests=sums.digests)
+            c_alg=c_alg, offsets=chunks.offsets, box=chunks.shape, digests=chunks.sums.digests)
+
+
+def _used_algorithms(sums: Checksums) -> tuple[list[str], np.ndarray]:
+    """The checksum algorithms ``sums`` uses, in order of first use, and each chunk's."""
+    used = first_seen(sums.algorithm, len(sums.algorithms))
+    relabel = np.zeros(len(sums.algorithms) or 1, dtype=np.int64)
+    relabel[used] = np.arange(len(used))
+    return [sums.algorithms[k] for k in used.tolist()], relabel[sums.algorithm]
 
 
 def from_entries(tensors: Mapping[str, "TensorEntry | TableEntry"], file_names: list[str], block_size: int) -> "TensorTable":
@@ -335,6 +347,7 @@ class TensorTable(Mapping[str, "TableEntry"]):
         self.t_dtype, self.t_ndim, self.t_chunks, self.t_tied = t_dtype, t_ndim, t_chunks, t_tied
         self.shape, self.c_file, self.c_start, self.c_length, self.c_alg = shape, c_file, c_start, c_length, c_alg
         self.offsets, self.box, self.digests = offsets, box, digests
+        self.packed: dict[tuple[str, int], tuple[np.ndarray, str]] = {}  # see _packed
         self.index = {n: i for i, n in enumerate(names)}
         self.first = np.concatenate(([0], np.cumsum(t_chunks))).astype(np.int64)
         self.shape_at = np.concatenate(([0], np.cumsum(t_ndim))).astype(np.int64)
@@ -446,6 +459,19 @@ class TensorTable(Mapping[str, "TableEntry"]):
         return {n: TensorEntry(e.dtype, list(e.shape), e.chunks, e.tied_to)
                 for n, e in ((n, TableEntry(self, i)) for i, n in enumerate(self.names))}
 
+    def refill(self, file_names: list[str], start: np.ndarray, end: np.ndarray, sums: Checksums) -> "TensorTable":
+        """A table of the same tensors, boxes and files (by position) whose chunks are
+        now at ``start:end`` with checksums ``sums`` (one entry per chunk row, in this
+        table's order): the next save of an unchanged layout. Columns that did not
+        change keep their stored form (``encode`` packs them once)."""
+        algorithms, c_alg = _used_algorithms(sums)
+        table = TensorTable(self.names, self.dtypes, algorithms, list(file_names), self.block_size,
+                            t_dtype=self.t_dtype, t_ndim=self.t_ndim, t_chunks=self.t_chunks, t_tied=self.t_tied,
+                            shape=self.shape, c_file=self.c_file, c_start=start, c_length=end - start, c_alg=c_alg,
+                            offsets=self.offsets, box=self.box, digests=sums.digests)
+        table.packed = self.packed
+        return table
+
     def with_files(self, file_names: list[str]) -> "TensorTable":
         """The same table for a manifest whose files are ``file_names`` (a superset)."""
         if file_names == self.file_names:
@@ -489,11 +515,21 @@ class TensorTable(Mapping[str, "TableEntry"]):
                    "shape": self.shape, "file": self.c_file, "start": self.c_start, "length": self.c_length,
                    "algorithm": self.c_alg, "offsets": self.offsets, "box": self.box}
         digests = base64.b64encode(self.digests).decode("ascii")
-        packed = {k: pack(v) for k, v in columns.items()}
+        packed = {k: self._packed(k, v, 1) for k, v in columns.items()}
         if 8 * sum(len(v) for v in columns.values()) > INFLATE_RATIO * (len(digests) + sum(map(len, packed.values()))):
-            packed = {k: pack(v, level=0) for k, v in columns.items()}
+            packed = {k: self._packed(k, v, 0) for k, v in columns.items()}
         return {"names": self.names, "dtypes": self.dtypes, "algorithms": self.algorithms, "columns": packed,
                 "digests": digests}
+
+    def _packed(self, name: str, values: np.ndarray, level: int) -> str:
+        """``pack(values, level)``, remembered: a refilled table (``refill``) shares the
+        columns that did not change, and packing them again is most of an encoding."""
+        known = self.packed.get((name, level))
+        if known is not None and np.array_equal(known[0], values):
+            return known[1]
+        text = pack(values, level)
+        self.packed[(name, level)] = (values, text)
+        return text
 
 
 class TableEntry:

@@ -153,8 +153,9 @@ def plan_sharing(classes: list[Needers], world: int, message_bytes: int, window_
 
 def _readers(group: np.ndarray, length: np.ndarray, needer_at: np.ndarray, needer_ranks: np.ndarray) -> np.ndarray:
     """Each unit's reader: a group's units (in file order) cut into as many runs of about
-    equal bytes as it has needers, run ``i`` read by needer ``(i + g) % k`` (the rotation
-    spreads the groups' first runs over different ranks)."""
+    equal bytes as it has needers (a unit goes to the run its middle falls in), run
+    ``i`` read by needer ``(i + g) % k`` (the rotation spreads the groups' first runs
+    over different ranks)."""
     by_group = np.argsort(group, kind="stable")
     g, nbytes = group[by_group], length[by_group]
     total = np.bincount(g, weights=nbytes.astype(np.float64), minlength=len(needer_at) - 1)
@@ -162,7 +163,7 @@ def _readers(group: np.ndarray, length: np.ndarray, needer_at: np.ndarray, neede
     first_at = np.searchsorted(g, np.arange(len(needer_at) - 1))
     before = before - before[first_at[g]] if len(g) else before
     k = np.diff(needer_at)[g]
-    part = np.minimum(k - 1, (before * k / np.maximum(total[g], 1)).astype(np.int64))
+    part = np.minimum(k - 1, ((before + nbytes / 2) * k / np.maximum(total[g], 1)).astype(np.int64))
     reader = np.empty(len(group), dtype=np.int64)
     reader[by_group] = needer_ranks[needer_at[g] + (part + g) % k]
     return reader

@@ -170,6 +170,7 @@ class SaveRun:
             reused = self._reuse(flat, cache, key)
             if reused is not None:
                 return reused
+            cache.planned += 1
         intent = Intent(self.where, self.step, pieces if pieces is not None else PieceColumns.of([]),
                         flat.aliases if flat else {}, flat.tree if flat else None,
                         describe_error(self.local_error) if self.local_error else None,
@@ -180,7 +181,6 @@ class SaveRun:
         if mine.abort:
             self._raise(mine.abort, mine.errors, mine.exists)
         if cache is not None and key is not None:
-            cache.planned += 1
             self.kept = Planned(mine.plan_id, list(mine.write), self.plan,
                                 [Intent(i.url, i.step, PieceColumns.of([]), i.aliases, None)
                                  for i in cast("list[Intent]", intents or [])])

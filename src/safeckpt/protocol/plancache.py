@@ -121,7 +121,7 @@ class PlanCache:
     def __init__(self) -> None:
         self._plans: OrderedDict[str, Planned] = OrderedDict()
         self._lock = threading.Lock()
-        self.reused = 0  # saves that reused a plan, and that planned: what tests observe
+        self.reused = 0  # saves that reused a kept plan, and that planned in full (or tried to)
         self.planned = 0
 
     def get(self, key: str) -> Planned | None:

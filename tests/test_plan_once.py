@@ -127,6 +127,23 @@ def test_a_refilled_table_equals_a_fresh_build():
     _, fresh = build(start, sums)
     rows = builder.source
     new = Checksums.parse([[s] for s in sums])
-    refilled = kept.refill(["f0", "f1"], np.asarray(start)[rows], np.asarray(start)[rows] + 8, new.take(rows))
+    refilled = kept.refill(["f0", "f1"], np.asarray(start)[rows], np.full(len(rows), 8), new.take(rows))
     assert refilled.encode() == fresh.encode()
     assert kept.encode() != fresh.encode()
+
+
+def test_the_table_is_written_as_json_writes_its_stored_form():
+    """The manifest's table goes in as parts, unscanned: byte for byte what json.dumps
+    of its stored form writes (names that need escaping included)."""
+    import json
+
+    _, table = _build_table('a"\\é\u2028')
+    joined = b"".join(table.encode_parts())
+    assert joined == json.dumps(table.encode(), separators=(",", ":")).encode()
+
+
+def _build_table(name: str):
+    b = TableBuilder()
+    b.tensor(name, "float32", (2,))
+    b.add(_columns(["f0"], [0], [0], [0], ["xxh3_64:00000000000000ff"]))
+    return b, b.build(["f0"], 1 << 24)

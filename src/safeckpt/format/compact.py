@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import copy
 import functools
 import itertools
+import json
 import math
 import zlib
 from collections.abc import Iterator, Mapping
@@ -139,22 +141,50 @@ class Checksums:
 
     @classmethod
     def join(cls, parts: "list[Checksums]") -> "Checksums":
+        digests = b"".join(p.digests for p in parts)
+        width = {int(p.size[0]) if p.uniform else -1 for p in parts if len(p.size)}
+        if len({tuple(p.algorithms) for p in parts if len(p.size)}) == 1 and len(width) == 1 and -1 not in width:
+            n = sum(len(p.size) for p in parts)  # one algorithm, one width: the common case, nothing to join
+            return cls(next(p.algorithms for p in parts if len(p.size)), _same(0, n), _same(width.pop(), n), digests)
         algorithms: dict[str, int] = {}
         codes = [np.asarray([algorithms.setdefault(a, len(algorithms)) for a in p.algorithms] or [0],
                             dtype=np.int64)[p.algorithm] for p in parts]
         return cls(list(algorithms), np.concatenate(codes or [np.zeros(0, np.int64)]),
-                   np.concatenate([p.size for p in parts] or [np.zeros(0, np.int64)]),
-                   b"".join(p.digests for p in parts))
+                   np.concatenate([p.size for p in parts] or [np.zeros(0, np.int64)]), digests)
+
+    @property
+    def uniform(self) -> bool:
+        """One algorithm and one digest width for every chunk."""
+        return len(self.algorithms) == 1 and _constant(self.size)
 
     def take(self, rows: np.ndarray) -> "Checksums":
-        return Checksums(self.algorithms, self.algorithm[rows], self.size[rows],
-                         _take_ragged(np.frombuffer(self.digests, dtype=np.uint8), self.size, rows).tobytes())
+        digests = _take_ragged(np.frombuffer(self.digests, dtype=np.uint8), self.size, rows).tobytes()
+        if self.uniform:
+            return Checksums(self.algorithms, _same(0, len(rows)), _same(int(self.size[0]), len(rows)), digests)
+        return Checksums(self.algorithms, self.algorithm[rows], self.size[rows], digests)
+
+
+def _constant(a: np.ndarray) -> bool:
+    """A non-empty column of one value (a broadcast one is, by its stride)."""
+    return bool(len(a)) and (a.strides[0] == 0 or bool((a == a[0]).all()))
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return a is b or np.array_equal(a, b)
+
+
+def _same(value: int, n: int) -> np.ndarray:
+    """``n`` times ``value`` as a read-only int64 view (nothing allocated)."""
+    return np.broadcast_to(np.int64(value), (n,))
 
 
 def _take_ragged(flat: np.ndarray, lengths: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """Rows ``rows`` of ``flat``, whose row ``i`` is the next ``lengths[i]`` values."""
-    if len(lengths) and (lengths == lengths[0]).all():  # rows of one length: a reshape
-        return np.take(flat.reshape(len(lengths), int(lengths[0])), rows, axis=0).reshape(-1)
+    if _constant(lengths):  # rows of one length: a reshape
+        width = int(lengths[0])
+        if width == 8 and not flat.size % 8:  # one 8-byte digest per row: one gather of 64-bit words
+            return flat.view(np.uint64)[rows].view(np.uint8)
+        return np.take(flat.reshape(len(lengths), width), rows, axis=0).reshape(-1)
     at = np.concatenate(([0], np.cumsum(lengths)))[:-1].astype(np.int64)
     return flat[segments(at[rows], lengths[rows])]
 
@@ -311,6 +341,8 @@ class TableBuilder:
 
 def _used_algorithms(sums: Checksums) -> tuple[list[str], np.ndarray]:
     """The checksum algorithms ``sums`` uses, in order of first use, and each chunk's."""
+    if len(sums.algorithms) == 1 and len(sums.algorithm):  # the common case: one algorithm, used
+        return list(sums.algorithms), _same(0, len(sums.algorithm))
     used = first_seen(sums.algorithm, len(sums.algorithms))
     relabel = np.zeros(len(sums.algorithms) or 1, dtype=np.int64)
     relabel[used] = np.arange(len(used))
@@ -459,17 +491,23 @@ class TensorTable(Mapping[str, "TableEntry"]):
         return {n: TensorEntry(e.dtype, list(e.shape), e.chunks, e.tied_to)
                 for n, e in ((n, TableEntry(self, i)) for i, n in enumerate(self.names))}
 
-    def refill(self, file_names: list[str], start: np.ndarray, end: np.ndarray, sums: Checksums) -> "TensorTable":
-        """A table of the same tensors, boxes and files (by position) whose chunks are
-        now at ``start:end`` with checksums ``sums`` (one entry per chunk row, in this
-        table's order): the next save of an unchanged layout. Columns that did not
-        change keep their stored form (``encode`` packs them once)."""
+    def refill(self, file_names: list[str], start: np.ndarray, length: np.ndarray, sums: Checksums) -> "TensorTable":
+        """A table of the same tensors, boxes and files (by position) whose chunks now
+        hold ``length`` bytes from ``start`` with checksums ``sums`` (one entry per chunk
+        row, in this table's order): the next save of an unchanged layout. Columns that
+        did not change keep their stored form (``encode`` packs them once)."""
         algorithms, c_alg = _used_algorithms(sums)
-        table = TensorTable(self.names, self.dtypes, algorithms, list(file_names), self.block_size,
-                            t_dtype=self.t_dtype, t_ndim=self.t_ndim, t_chunks=self.t_chunks, t_tied=self.t_tied,
-                            shape=self.shape, c_file=self.c_file, c_start=start, c_length=end - start, c_alg=c_alg,
-                            offsets=self.offsets, box=self.box, digests=sums.digests)
-        table.packed = self.packed
+        if algorithms != self.algorithms or not _equal(c_alg, self.c_alg) \
+                or not _equal(length, self.c_length):  # another layout of bytes: derive it all
+            table = TensorTable(self.names, self.dtypes, algorithms, list(file_names), self.block_size,
+                                t_dtype=self.t_dtype, t_ndim=self.t_ndim, t_chunks=self.t_chunks,
+                                t_tied=self.t_tied, shape=self.shape, c_file=self.c_file, c_start=start,
+                                c_length=length, c_alg=c_alg, offsets=self.offsets, box=self.box,
+                                digests=sums.digests)
+            table.packed = self.packed
+            return table
+        table = copy.copy(self)  # what is derived from the tensors, boxes and lengths holds as it is
+        table.file_names, table.c_start, table.digests = list(file_names), start, sums.digests
         return table
 
     def with_files(self, file_names: list[str]) -> "TensorTable":
@@ -508,24 +546,41 @@ class TensorTable(Mapping[str, "TableEntry"]):
 
     # -- storage form ----------------------------------------------------------------
     def encode(self) -> dict[str, Any]:
-        """The stored form (§6.4). Columns that would inflate to more than a reader
-        accepts for the manifest's length (many high-dimensional boxes deflate far) are
-        stored uncompressed, which always fits."""
+        """The stored form (§6.4)."""
+        packed, digests = self._stored()
+        return {"names": self.names, "dtypes": self.dtypes, "algorithms": self.algorithms, "columns": packed,
+                "digests": digests.decode("ascii")}
+
+    def encode_parts(self) -> list[bytes]:
+        """``encode()`` as JSON, as ``json.dumps(..., separators=(",", ":"))`` writes it,
+        in parts: the long base64 strings (they need no escaping) go in as they are, not
+        scanned or copied into one text (for millions of pieces that cost more than
+        the rest of an encoding)."""
+        packed, digests = self._stored()
+        head = json.dumps({"names": self.names, "dtypes": self.dtypes, "algorithms": self.algorithms},
+                          separators=(",", ":"))
+        columns = ",".join(f'"{k}":"{v}"' for k, v in packed.items())
+        return [f'{head[:-1]},"columns":{{{columns}}},"digests":"'.encode(), digests, b'"}']
+
+    def _stored(self) -> tuple[dict[str, str], bytes]:
+        """The packed columns and the base64 of the digests. Columns that would inflate
+        to more than a reader accepts for the manifest's length (many high-dimensional
+        boxes deflate far) are stored uncompressed, which always fits."""
         columns = {"dtype": self.t_dtype, "ndim": self.t_ndim, "chunks": self.t_chunks, "tied": self.t_tied,
                    "shape": self.shape, "file": self.c_file, "start": self.c_start, "length": self.c_length,
                    "algorithm": self.c_alg, "offsets": self.offsets, "box": self.box}
-        digests = base64.b64encode(self.digests).decode("ascii")
+        digests = base64.b64encode(self.digests)
         packed = {k: self._packed(k, v, 1) for k, v in columns.items()}
         if 8 * sum(len(v) for v in columns.values()) > INFLATE_RATIO * (len(digests) + sum(map(len, packed.values()))):
             packed = {k: self._packed(k, v, 0) for k, v in columns.items()}
-        return {"names": self.names, "dtypes": self.dtypes, "algorithms": self.algorithms, "columns": packed,
-                "digests": digests}
+        return packed, digests
 
     def _packed(self, name: str, values: np.ndarray, level: int) -> str:
         """``pack(values, level)``, remembered: a refilled table (``refill``) shares the
-        columns that did not change, and packing them again is most of an encoding."""
+        columns that did not change (tables never change a column in place), and
+        packing them again is most of an encoding."""
         known = self.packed.get((name, level))
-        if known is not None and np.array_equal(known[0], values):
+        if known is not None and _equal(known[0], values):
             return known[1]
         text = pack(values, level)
         self.packed[(name, level)] = (values, text)

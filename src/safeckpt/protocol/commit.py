@@ -388,7 +388,7 @@ class SaveRun:
         block = cast(int, self.chunk_size) if incremental else BLOCK_SIZE
         kept = self.kept
         if kept is not None and kept.table is not None:
-            tensors = kept.table.refill(list(files), *_written(reports, kept.counts, kept.source))
+            tensors = kept.refill(list(files), *_written(reports, cast("list[int]", kept.counts)))
         else:
             table = TableBuilder()
             if incremental:
@@ -401,8 +401,8 @@ class SaveRun:
                     table.alias(alias, first)
             tensors = table.build(list(files), block)
             if kept is not None and order is not None:  # the next save of this plan refills this table
-                kept.table, kept.source, kept.plan = tensors, order[table.source], None
-                kept.counts = np.diff(cast(WritePlan, self.plan).at).tolist()
+                kept.keep(tensors, order[table.source], np.diff(cast(WritePlan, self.plan).at).tolist(),
+                          *_ranges(reports))
         return Manifest(save_id=mine.save_id, seq=mine.seq, created=time.time(),
                         world_size=len(intents), files=files, tensors=tensors,
                         tree=self.tree, step=self.step, metadata=self.metadata, metrics=self.metrics,
@@ -512,14 +512,18 @@ def _reported(reports: list[Report], counts: list[int]) -> list[Written | None]:
     return out
 
 
-def _written(reports: list[Report], counts: list[int], rows: Any) -> tuple[np.ndarray, np.ndarray, Checksums]:
-    """The reports' byte ranges and checksums, rank after rank, taken in the order
-    ``rows`` (a kept table's chunk rows: ``Planned.source``)."""
+def _written(reports: list[Report], counts: list[int]) -> tuple[np.ndarray, np.ndarray, Checksums]:
+    """The reports' byte ranges and checksums, rank after rank, checked against the
+    ``counts`` of pieces the plan gave the ranks."""
     cols = [c for c in _reported(reports, counts) if c is not None]
+    return (*_ranges(reports, cols), Checksums.join([c.sums for c in cols]))
+
+
+def _ranges(reports: list[Report], cols: "list[Written] | None" = None) -> tuple[np.ndarray, np.ndarray]:
+    """The reports' byte ranges (start, end), rank after rank."""
+    cols = [r.pieces() for r in reports if r.file is not None] if cols is None else cols
     empty = np.zeros(0, np.int64)
-    start = np.concatenate([c.start for c in cols] or [empty])
-    end = np.concatenate([c.end for c in cols] or [empty])
-    return start[rows], end[rows], Checksums.join([c.sums for c in cols]).take(rows)
+    return np.concatenate([c.start for c in cols] or [empty]), np.concatenate([c.end for c in cols] or [empty])
 
 
 EXISTS = "Checkpoint already exists"  # DCP's words for this refusal: code that matches them keeps working

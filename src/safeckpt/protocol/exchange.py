@@ -151,6 +151,8 @@ class Transport:
         self.group = group
         self.nccl = nccl
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl is not None else None
+        if nccl is not None:
+            group.connect(nccl, self.device)
 
     def exchange(self, sends: list[tuple[memoryview, int, int]], recvs: list[tuple[memoryview, int, int]]) -> None:
         host = lambda buf: torch.frombuffer(buf, dtype=torch.uint8)  # noqa: E731 - a view, no copy

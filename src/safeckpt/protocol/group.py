@@ -120,6 +120,14 @@ class TorchGroup:
                     work.wait()
         self._run("exchange", run)
 
+    def connect(self, pg: Any, device: Any) -> None:
+        """Set up ``pg`` (this group's ranks on another backend) with one all-reduce on
+        ``device``: NCCL wants every rank in its first call, and a rank may have nothing
+        to send or receive in a window."""
+        import torch
+
+        self._run("all_reduce", lambda: self.dist.all_reduce(torch.zeros(1, device=device), group=pg))
+
     def global_rank(self, rank: int) -> int:
         return self.dist.get_global_rank(self.pg, rank) if self.pg is not None else rank
 

@@ -25,12 +25,12 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from ..format.checksum import checksum
-from ..format.compact import TensorTable
+from ..format.compact import Checksums, TensorTable
 from ..format.manifest import WRITE_VERSION
 from ..format.pieces import PieceColumns
 from ..format.plan import WritePlan
@@ -112,7 +112,25 @@ class Planned:
     intents: list[Any] = field(default_factory=list)
     table: TensorTable | None = None
     source: np.ndarray | None = None
-    counts: list[int] = field(default_factory=list)  # pieces each rank writes
+    counts: list[int] | None = None  # pieces each rank writes
+    start: np.ndarray | None = None  # the reported byte ranges the table holds, rank after rank
+    end: np.ndarray | None = None
+
+    def keep(self, table: TensorTable, source: np.ndarray, counts: list[int], start: np.ndarray,
+             end: np.ndarray) -> None:
+        """Keep the table a save of this plan built: row ``j`` holds the reported piece
+        ``source[j]`` (rank after rank, each rank's in its file's order). The plan's
+        pieces are no longer needed."""
+        self.table, self.source, self.counts, self.start, self.end, self.plan = table, source, counts, start, end, None
+
+    def refill(self, file_names: list[str], start: np.ndarray, end: np.ndarray, sums: Checksums) -> TensorTable:
+        """The kept table with a new save's files, byte ranges and checksums (reported
+        rank after rank): the byte ranges of an unchanged layout are, as a rule, the
+        same, and then the kept columns are kept too."""
+        table, rows = cast(TensorTable, self.table), cast(np.ndarray, self.source)
+        if self.start is not None and np.array_equal(start, self.start) and np.array_equal(end, cast(np.ndarray, self.end)):
+            return table.refill(file_names, table.c_start, table.c_length, sums.take(rows))
+        return table.refill(file_names, start[rows], end[rows] - start[rows], sums.take(rows))
 
 
 class PlanCache:

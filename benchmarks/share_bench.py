@@ -27,14 +27,14 @@ import contextlib
 import datetime
 import json
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (MiB, add_worker_args, bench_parser, check_equal, default_dir, drop_page_cache,  # noqa: E402
-                    empty_like_state, flatten, launch_ranks, make_large_state, remove, state_nbytes, summary)
+from common import (MiB, bench_parser, check_equal, drop_page_cache, empty_like_state,  # noqa: E402
+                    flatten, launch_ranks, make_large_state, parse_or_work, run_and_report, state_nbytes,
+                    summary)
 
 OPS = ["safeckpt.load, shared", "safeckpt.load, not shared", "dcp.load"]
 MODES = {"safeckpt.load, shared": "job", "safeckpt.load, not shared": "off"}
@@ -255,24 +255,14 @@ def main() -> int:
     p.add_argument("--ranks", default="1,2,4")
     p.add_argument("--s3-mib", type=int, default=128, help="state size on the S3 test server (0: skip S3)")
     p.add_argument("--s3", default=None, help=argparse.SUPPRESS)  # the worker's server spec
-    add_worker_args(p)
-    args = p.parse_args()
-    if args.worker:
-        worker(args)
+    args = parse_or_work(p, worker)
+    if args is None:
         return 0
     if args.quick:
         args.size_mib, args.s3_mib, args.repeat, args.ranks = 16, 8, 1, "2"
-    base = (args.dir or default_dir()).resolve()
-    workdir = Path(tempfile.mkdtemp(prefix=".safeckpt-bench-", dir=base))
-    try:
-        res = run_share([int(x) for x in args.ranks.split(",")], args.size_mib, args.n_large, args.repeat, workdir,
-                        args.s3_mib or None)
-    finally:
-        remove(workdir)
-    print(share_table(res))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(res, indent=1))
-    return 0
+    worlds = [int(x) for x in args.ranks.split(",")]
+    return run_and_report(args, lambda workdir: run_share(worlds, args.size_mib, args.n_large, args.repeat, workdir,
+                                                          args.s3_mib or None), share_table)
 
 
 if __name__ == "__main__":

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any
 
-from . import codec
+from .tree import check_tree, child_key, decode_value, items_of, tag_of
 from .checksum import ALGORITHM, BLOCK_SIZE, checksum, is_checksum
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from .names import MANIFEST_RE, is_shared, manifest_name, manifest_seq, root_path, shared_location, step_of  # noqa: F401
 from .records import Chunk, FileEntry, TensorEntry  # noqa: F401 - the manifest's parts
 from .compact import TableEntry, TensorTable, decode_table, from_entries, tie_error
 from .plan import PlanError, check_coverage
-from .tensors import dtype_from_name, is_shape
+from .dtypes import is_shape, itemsize_of
 
 FORMAT_VERSION = 3  # 2: incremental manifests (files of sibling checkpoints, xxh3_128 chunks); 3: tensor tables
 WRITE_VERSION = 3  # what a save writes: compact tensor tables (compact.py)
@@ -118,7 +118,9 @@ def _no_tensors(key: str, t: Any) -> Any:
 
 def encode_values(values: dict[str, Any], what: str) -> Any:
     """Metadata and metrics go through the restricted codec (nan, tuples, int keys)."""
-    return codec.encode(values, what, _no_tensors, lambda k, v: v, allow_pickle=False)
+    from .codec import encode  # imports torch, which decoding a manifest never needs
+
+    return encode(values, what, _no_tensors, lambda k, v: v, allow_pickle=False)
 
 
 def encode_manifest(m: Manifest) -> bytes:
@@ -247,7 +249,7 @@ def _decode_tensors(saved: Any, files: dict[str, FileEntry], block: int, where: 
         dtype, shape = t["dtype"], t["shape"]
         itemsize = itemsizes.get(dtype) if type(dtype) is str else None
         if itemsize is None:
-            itemsize = itemsizes[dtype] = dtype_from_name(dtype, f"{where}: tensor {name!r}").itemsize
+            itemsize = itemsizes[dtype] = itemsize_of(dtype, f"{where}: tensor {name!r}")
         if not is_shape(shape, itemsize):
             raise CorruptCheckpointError(f"{where}: tensor {name!r}: bad shape {str(shape)[:100]}")
         chunks = [_decode_chunk(c, name, shape, itemsize, files, block, where) for c in t["chunks"]]
@@ -284,7 +286,7 @@ def _decode_body(body: dict, where: str, length: int) -> Manifest:
     _need(isinstance(body["save_id"], str) and _is_int(body["seq"], 1)
           and type(body["created"]) in (int, float), where, "bad save_id, seq or created")
     tree = body["tree"]
-    codec.check_tree(tree, where, tensors)
+    check_tree(tree, where, tensors)
     return Manifest(
         save_id=body["save_id"], seq=body["seq"], created=float(body["created"]), world_size=world,
         files=files, tensors=tensors, tree=tree, step=step, block_size=block, run_id=run_id,
@@ -305,7 +307,7 @@ def _decode_dcp(raw: Any, where: str) -> DcpRecord:
 
 def decode_values(node: Any, what: str, where: str) -> dict[str, Any]:
     """Inverse of ``encode_values``; ``where`` names the manifest in errors."""
-    _need(codec.tag_of(node) in ("object", "$dict", "$odict"), where, f"{what} is not a mapping")
-    codec.check_tree(node, f"{where}: {what}", (), plain=True)
-    items = codec.items_of(node, what, allow_pickle=False)
-    return {k: codec.decode_value(v, codec.child_key(what, k)) for k, v in items}
+    _need(tag_of(node) in ("object", "$dict", "$odict"), where, f"{what} is not a mapping")
+    check_tree(node, f"{where}: {what}", (), plain=True)
+    items = items_of(node, what, allow_pickle=False)
+    return {k: decode_value(v, child_key(what, k)) for k, v in items}

@@ -14,7 +14,7 @@ import click
 from ..run import garbage
 from ..errors import CheckpointError
 from ..format.folder import CheckpointState, folder_state
-from ..protocol.reader import TensorReader
+from ..protocol.filecheck import CheckedFiles
 from ..storage import Storage, StorageWrapper
 from ._common import (CliError, console, count_states, human_bytes, locate, one_line, print_json, progress_console,
                       say, storage_option_flag, storage_options, table, text)
@@ -86,7 +86,7 @@ def verify_all(storages: list[Storage], jobs: int, progress: Any = None) -> list
             progress.advance(task, n)
 
     def check(storage: Storage, manifest: Any, name: str) -> list[str]:
-        reader = TensorReader(_Counting(storage, advance), manifest, verify=True)
+        reader = CheckedFiles(_Counting(storage, advance), manifest)
         try:
             return reader.verify_file(name)
         except CheckpointError as exc:  # unreadable (missing, I/O error): a finding, not a crash

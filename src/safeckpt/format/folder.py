@@ -17,7 +17,7 @@ from ..storage import Storage
 from . import manifestcache
 from .manifest import Manifest
 from .states import CheckpointState
-from .names import DATA_RE, RETIRED as RETIRED_MARKER, STEP_RE, is_shared, manifest_seq, shared_location
+from .names import DATA_RE, RETIRED as RETIRED_MARKER, STEP_RE, is_shared, manifest_seq, shared_location, step_folder
 
 
 _RETIRED_WHY = "deleted by retention; holds data later checkpoints share"
@@ -52,6 +52,11 @@ def step_folders(root: Storage) -> list[int]:
     """The steps of a run root's ``step-NNNNNNNNN`` folders, ascending."""
     return sorted(int(m.group(1)) for name, size in root.listdir().items()
                   if size is None and (m := STEP_RE.fullmatch(name)))
+
+
+def committed_steps(root: Storage) -> dict[int, Manifest]:
+    """Step -> manifest of every committed checkpoint of a run root."""
+    return {s: m for s in step_folders(root) if (m := folder_state(root.child(step_folder(s))).manifest) is not None}
 
 
 def manifest_seqs(listing: dict[str, int | None]) -> list[tuple[int, str]]:

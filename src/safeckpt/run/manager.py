@@ -20,7 +20,7 @@ from . import garbage
 from .asyncsave import AsyncSaver, SaveFuture, background_group
 from ..protocol.checkpoint import CheckpointInfo, load, log_save, save_request
 from ..format.folder import retire
-from ..format.folder import FolderState, CheckpointState, folder_state, step_folders
+from ..format.folder import FolderState, CheckpointState, committed_steps, folder_state, step_folders
 from ..protocol.incremental import CHUNK_SIZE, MIN_CHUNK_SIZE
 from .tiered import Candidate, Replicator, tier_candidates
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
@@ -121,7 +121,9 @@ class CheckpointManager:
         rank; then the manager's listings and retention are the durable root's."""
         if self._nodes is None:
             layout = NodeLayout.of(self.group)
-            self._nodes = NodeTier(self, layout, self.local_replicas) if len(layout.nodes) > 1 else False
+            self._nodes = NodeTier(self, layout, self.local_replicas, may_replace=self._may_replace,
+                                   check_lease=self._check_lease, after_durable=self._after_replication) \
+                if len(layout.nodes) > 1 else False
             if self._nodes:
                 self.tiers = [self.storage]
         return self._nodes if isinstance(self._nodes, NodeTier) else None
@@ -152,11 +154,7 @@ class CheckpointManager:
         return folder_state((root or self.save_root).child(step_folder(step)))
 
     def _committed(self, root: Storage | None = None) -> dict[int, Manifest]:
-        out: dict[int, Manifest] = {}
-        for step in self._step_folders(root):
-            if (m := self._read(step, root).manifest) is not None:
-                out[step] = m
-        return out
+        return committed_steps(root or self.save_root)
 
     def steps(self) -> list[int]:
         """Steps with a committed checkpoint (valid manifest) in any tier, ascending."""

@@ -35,10 +35,10 @@ import os
 import socket
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 from ..protocol.checkpoint import load_manifest
-from ..format.folder import read_committed
+from ..format.folder import committed_steps, read_committed, step_folders
 from ..format.checksum import checksum
 from ..protocol.commit import (DATA_RE, SaveRun, describe_error, read_existing, refuse_existing, retire_replaced,
                      write_manifest)
@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 NODE_ENV = "SAFECKPT_NODE_ID"
 RECORD_PREFIX = "holds-"
-SEND_BLOCK = 64 << 20
 
 
 def node_id() -> str:
@@ -166,32 +165,6 @@ def delete_local(folder: Storage) -> None:
 # -- bytes between ranks -------------------------------------------------------------
 
 
-def _send(group: TorchGroup, data: "bytes | bytearray", dst: int) -> None:
-    import torch
-    dist = group.dist
-    peer = dist.get_global_rank(group.pg, dst)
-    group._run("send", lambda: dist.send(torch.tensor([len(data)], dtype=torch.int64), peer, group=group.pg))
-    if not data:
-        return
-    # a view of the bytes, not a copy: torch only reads a buffer it is sending
-    whole = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
-    for lo in range(0, len(data), SEND_BLOCK):
-        group._run("send", lambda b=whole[lo:lo + SEND_BLOCK]: dist.send(b, peer, group=group.pg))
-
-
-def _recv(group: TorchGroup, src: int) -> memoryview:
-    """The bytes ``_send`` sent, received in place into one buffer."""
-    import torch
-    dist = group.dist
-    peer = dist.get_global_rank(group.pg, src)
-    size = torch.zeros(1, dtype=torch.int64)
-    group._run("recv", lambda: dist.recv(size, peer, group=group.pg))
-    out = torch.empty(int(size), dtype=torch.uint8)
-    for lo in range(0, int(size), SEND_BLOCK):
-        group._run("recv", lambda b=out[lo:lo + SEND_BLOCK]: dist.recv(b, peer, group=group.pg))
-    return out.numpy().data
-
-
 def _read_checked(folder: Storage, m: Manifest, name: str) -> bytearray:
     """A whole data file, every checksummed range checked: rot is never copied on."""
     f = m.files[name]
@@ -206,13 +179,13 @@ def send_file(group: TorchGroup, folder: Storage, m: Manifest, name: str, dst: i
     except (CheckpointError, OSError) as exc:
         problems.append(f"reading {name}: {exc}")
         blob = bytearray()
-    _send(group, blob, dst)
+    group.send_bytes(blob, dst)
 
 
 def receive_file(group: TorchGroup, folder: Storage, m: Manifest, name: str, src: int,
                  problems: list[str]) -> bool:
     """Receive one data file into ``folder``; True when it arrived whole and is durable."""
-    blob = _recv(group, src)
+    blob = group.recv_bytes(src)
     try:
         if len(blob) != m.files[name].size:
             raise SaveAbortedError(f"{name} arrived with {len(blob)} bytes, not {m.files[name].size} "
@@ -305,9 +278,14 @@ class NodeSync:
 
 
 class NodeTier:
-    """The manager's local tier when its ranks span several nodes."""
+    """The manager's local tier when its ranks span several nodes. Its manager hands it
+    what it needs of the run: which checkpoint of a step a save may replace
+    (``may_replace(step)``, see ``refuse_existing``), the writer lease check
+    (``check_lease``) and the durable root's retention (``after_durable(manifest)``)."""
 
-    def __init__(self, manager: "CheckpointManager", layout: NodeLayout, replicas: int) -> None:
+    def __init__(self, manager: "CheckpointManager", layout: NodeLayout, replicas: int, *,
+                 may_replace: Callable[[int], Any], check_lease: Callable[[], None],
+                 after_durable: Callable[[Manifest], None]) -> None:
         if manager.chunk_size is not None:
             raise ValueError("incremental=True is not supported with a local tier on several nodes")
         if manager.process_group is not None:  # its background collectives need a group of their own
@@ -316,6 +294,9 @@ class NodeTier:
         self.manager = manager
         self.layout = layout
         self.replicas = replicas
+        self.may_replace = may_replace
+        self.check_lease = check_lease
+        self.after_durable = after_durable
         self.group = manager.group
         self.background = resolve(manager.process_group, purpose="nodes")
         self.sync = NodeSync(self)
@@ -384,12 +365,12 @@ class NodeTier:
         problems: list[str] = []
 
         def send() -> None:
-            _send(g, json.dumps(mine).encode(), nxt)
+            g.send_bytes(json.dumps(mine).encode(), nxt)
             for name in mine:
                 send_file(g, here, m, name, nxt, problems)
 
         def receive() -> dict[str, int]:
-            names = json.loads(bytes(_recv(g, prev)))
+            names = json.loads(bytes(g.recv_bytes(prev)))
             return {n: m.files[n].size for n in names if receive_file(g, here, m, n, prev, problems)}
 
         if k % 2 == 0:
@@ -445,7 +426,7 @@ class NodeTier:
             old, max_seq = read_existing(dst)
             if old is not None and old.save_id == m.save_id:
                 return False
-            refuse_existing(dst, old, max_seq, self.manager._may_replace(cast(int, m.step)))
+            refuse_existing(dst, old, max_seq, self.may_replace(cast(int, m.step)))
             return True
         except Exception as exc:  # noqa: BLE001
             return describe_error(exc)
@@ -457,12 +438,12 @@ class NodeTier:
         dst.delete([n for n in listing if (manifest_seq(n) is not None and (old is None or
                     n != manifest_name(old.seq))) or (DATA_RE.fullmatch(n) and n not in m.files
                     and (old is None or n not in old.files))])
-        self.manager._check_lease()
+        self.check_lease()
         write_manifest(dst, final, "upload")
         read_committed(dst)
         retire_replaced(dst, old, final)
         log.info("step %s is durable in %s", m.step, dst.url)
-        self.manager._after_replication(final)
+        self.after_durable(final)
 
     def _retain_local(self, m: Manifest) -> None:
         """After save ``m`` is whole on the nodes' disks: this node drops the saves of its
@@ -475,7 +456,7 @@ class NodeTier:
         keep = self.manager.local_retention.keep_last
         if not keep:
             return
-        older = [s for s in self.manager._step_folders(self.local) if s < step]
+        older = [s for s in step_folders(self.local) if s < step]
         recorded = [s for s in older if read_holdings(self.local.child(step_folder(s)))]
         spared = set(recorded[max(0, len(recorded) - (keep - 1)):]) if keep > 1 else set()
         for s in older:
@@ -484,7 +465,7 @@ class NodeTier:
 
     # -- restoring (foreground group, every rank) ----------------------------------------
     def holdings(self, step: int | None) -> dict[int, dict[str, Holding]]:
-        return {s: h for s in self.manager._step_folders(self.local) if step in (None, s)
+        return {s: h for s in step_folders(self.local) if step in (None, s)
                 if (h := read_holdings(self.local.child(step_folder(s))))}
 
     def choose(self, per_node: list[Any], step: int | None) -> Any:
@@ -496,7 +477,7 @@ class NodeTier:
                 for sid, h in by_id.items():
                     entry = saves.setdefault((s, sid), (h, [set() for _ in per_node]))
                     entry[1][k] |= set(h.files)
-        durable = {s: m for s, m in self.manager._committed(self.manager.storage).items() if step in (None, s)}
+        durable = {s: m for s, m in committed_steps(self.manager.storage).items() if step in (None, s)}
         options: list[tuple[Any, ...]] = []
         partial: list[tuple[int, str]] = []
         for (s, sid), (h, nodes) in saves.items():

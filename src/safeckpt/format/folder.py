@@ -54,9 +54,22 @@ def step_folders(root: Storage) -> list[int]:
                   if size is None and (m := STEP_RE.fullmatch(name)))
 
 
+def step_state(root: Storage, step: int) -> FolderState:
+    """The state of a run root's folder of ``step``: ``folder_state``, except that a
+    checkpoint of another step (a folder copied or renamed by hand) is not a checkpoint
+    of this one (corrupt, saying which step it holds)."""
+    folder = root.child(step_folder(step))
+    found = folder_state(folder)
+    if found.manifest is not None and found.manifest.step not in (None, step):
+        return FolderState(CheckpointState.CORRUPT, problem=(
+            f"{folder.url} holds the checkpoint of step {found.manifest.step}, not of step {step} (copied or "
+            "renamed by hand?); it counts for nothing here"))
+    return found
+
+
 def committed_steps(root: Storage) -> dict[int, Manifest]:
-    """Step -> manifest of every committed checkpoint of a run root."""
-    return {s: m for s in step_folders(root) if (m := folder_state(root.child(step_folder(s))).manifest) is not None}
+    """Step -> manifest of every committed checkpoint of a run root (by ``step_state``)."""
+    return {s: m for s in step_folders(root) if (m := step_state(root, s).manifest) is not None}
 
 
 def manifest_seqs(listing: dict[str, int | None]) -> list[tuple[int, str]]:

@@ -3,7 +3,9 @@
 ``SingleGroup`` stands in when torch.distributed is not initialized. ``TorchGroup``
 runs object collectives on a dedicated gloo group created with a timeout, so a rank
 that dies or hangs turns into a clear error instead of a hang, and checkpoint traffic
-never interleaves with the training's own collectives.
+never interleaves with the training's own collectives. Its ``send_bytes`` and
+``recv_bytes`` move files between two ranks (the node tier's peer copies) under the
+same timeout.
 """
 
 from __future__ import annotations

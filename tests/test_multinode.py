@@ -375,21 +375,23 @@ def test_another_roots_node_records_are_never_restored_uploaded_or_deleted(serve
     """Job X (durable root ``durable-x``) left steps 2 and 3 on the nodes' folders; job Y
     committed step 2 in its own durable root, then runs on the same node folders. Y
     restores its own step 2 (warned of X's records, never X's weights), uploads nothing
-    of X's, saves steps 3 to 5 beside X's records (keep_local=2) and its retention never
-    deletes them: X still restores its step 3 from the nodes' disks, bit for bit."""
+    of X's, saves steps 3 and 4 (step 3 beside X's records) and its retention
+    (keep_local=1) deletes its own step 3, never X's records or files: X still restores
+    its step 3 from the nodes' disks, bit for bit."""
     x = {"durable_url": str(tmp_path / "durable-x"), "salt": 1000}
     save(server, tmp_path, [2, 3], name="save-x", **x)
     x_held = {(n, s): holdings(tmp_path, n, s, home=tmp_path / "durable-x") for n in "ab" for s in (2, 3)}
     assert all(x_held.values()), x_held
     save(server, tmp_path, [2], name="save-y", local_of={"a": "ya", "b": "yb"})
-    res = restore(server, tmp_path, 2, name="restore-y", then=[3, 4, 5])
+    res = restore(server, tmp_path, 2, name="restore-y", then=[3, 4], keep_local=1)
     assert "ForeignRunWarning" in res[0]["categories"], res[0]["warnings"]
     assert any("durable-x" in w for w in res[0]["warnings"]), res[0]["warnings"]
     for r, data in enumerate(res):
         assert all(s["raised"] is None for s in data["then"].values()), (r, data["then"])
-    assert committed(tmp_path / "durable") == [4, 5]
-    for step in (4, 5):
+    assert committed(tmp_path / "durable") == [3, 4]
+    for step in (3, 4):
         durable_exact(tmp_path, step)
+    assert holdings(tmp_path, "a", 3) == {} and holdings(tmp_path, "a", 4)  # Y's own step 3 went
     for (n, s), held in x_held.items():  # X's records and files, untouched by Y's retention
         assert holdings(tmp_path, n, s, home=tmp_path / "durable-x") == held
     shutil.rmtree(tmp_path / "durable-x")

@@ -252,7 +252,7 @@ def apply_case(root: Path, case: dict, index: int, nodes: list[str]) -> Any:
     folder.mkdir(exist_ok=True)
     name = base.name if case["name"] == "same" else base.name.replace("-own-", f"-own{index}x-")
     (folder / name).write_bytes(craft(base.read_bytes(), case["mutation"], other))
-    if case["mutation"]["kind"] == "copy":
+    if case["mutation"]["kind"] == "copy" and case["step"] != 3:
         for f in (local / step_folder(3)).glob("data-*"):
             shutil.copyfile(f, folder / f.name)
 

@@ -282,9 +282,41 @@ def main(work: Path, t0: float) -> int:
         return 1
     print(f"  {n_tensors} model and optimizer tensors, the scheduler state and the losses of "
           f"steps {first_resumed}-{TOTAL_STEPS} are identical, bit for bit (torch.equal).")
+    try_next(work)
     print(f"\nPASS: killed mid-save, resumed from step {max(committed)}, "
           f"same model as the uninterrupted run ({took:.1f} s)")
     return 0
+
+
+def workdir(ap: argparse.ArgumentParser, wanted: Path | None) -> Path:
+    """The folder the demo works in: ``wanted`` if it is new or empty, else a new one
+    in the temp dir. It is kept afterwards, so the checkpoints can be looked at."""
+    if wanted is None:
+        return Path(tempfile.mkdtemp(prefix="safeckpt-demo-"))
+    if wanted.exists() and not wanted.is_dir():
+        ap.error(f"--workdir {wanted} is a file; name a new or empty folder")
+    if wanted.is_dir() and any(wanted.iterdir()):
+        ap.error(f"--workdir {wanted} is not empty; name a new or empty folder "
+                 "(the demo never writes over files it did not make)")
+    try:
+        wanted.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        ap.error(f"--workdir {wanted}: cannot create it ({exc.strerror or exc})")
+    return wanted
+
+
+def try_next(work: Path) -> None:
+    """Where the checkpoints are, and the commands to look at them."""
+    cli = Path(sys.executable).with_name("safeckpt")
+    cli_text = str(cli) if cli.exists() else "safeckpt"
+    run_dir = work / "run"
+    latest = safeckpt.CheckpointManager(run_dir).latest_step()
+    print(f"\nThe checkpoints are kept in {work}. Try:")
+    print(f"  {cli_text} ls {run_dir}")
+    print(f"  {cli_text} verify {run_dir}")
+    if latest is not None:
+        print(f"  {cli_text} show {run_dir}/step-{latest:09d}")
+    print(f"Remove them with: rm -r {work}")
 
 
 if __name__ == "__main__":
@@ -293,7 +325,8 @@ if __name__ == "__main__":
     torch.use_deterministic_algorithms(True)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", type=Path,
-                    help="keep the checkpoints here (a new, empty folder) instead of a temp dir")
+                    help="where to keep the checkpoints: a new or empty folder (default: a new folder "
+                         "in the temp dir, named at the end)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -302,8 +335,4 @@ if __name__ == "__main__":
     if a.child:
         train(a.ckpt, a.out, a.kill)
         sys.exit(0)
-    if a.workdir is not None:
-        a.workdir.mkdir(parents=True, exist_ok=False)
-        sys.exit(main(a.workdir, start))
-    with tempfile.TemporaryDirectory(prefix="safeckpt-demo-") as tmp:
-        sys.exit(main(Path(tmp), start))
+    sys.exit(main(workdir(ap, a.workdir), start))

@@ -27,14 +27,16 @@ def fork_server():
 
 @pytest.fixture(scope="session")
 def deepspeed_ops():
-    """DeepSpeed's CPU shared-memory op (every DeepSpeed process loads it), compiled here
-    once before any rank or child starts, or found in ~/.cache/torch_extensions: on a
-    fresh machine the compile takes from 35 s (idle) to minutes (busy), which must not
-    count against a launch's timeout."""
+    """DeepSpeed's CPU shared-memory op (every DeepSpeed process loads it), built by the
+    setup (``./run tests``, tests/helpers/deepspeed_op.py) into the venv's own folder:
+    a test never compiles it (a compile under a launch's timeout, or a killed one's lock
+    left behind, hangs every later DeepSpeed process)."""
     import os
+
+    import deepspeed_op
+    pytest.importorskip("deepspeed")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(deepspeed_op.extensions_dir())
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    deepspeed = pytest.importorskip("deepspeed")
-    from deepspeed.accelerator import get_accelerator
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-        builder.load()
+    if not deepspeed_op.built():
+        pytest.skip(f"DeepSpeed's {deepspeed_op.NAME} op is not built in {deepspeed_op.extensions_dir()}: "
+                    "./run tests builds it (or: python tests/helpers/deepspeed_op.py)")

@@ -354,6 +354,77 @@ def test_async_save_function_keeps_one_save_in_flight(tmp_path, monkeypatch):
     assert state_mismatch(safeckpt.load_state(tmp_path / "second"), 2) is None
 
 
+def test_async_saves_from_two_threads_at_once_each_commit_their_own_state(tmp_path, monkeypatch):
+    """Thread A is held just after its state was copied into the shared saver's host
+    buffers, before its save starts; thread B calls ``async_save`` meanwhile. B must not
+    copy its state into the buffers A's save is about to write (it used to: A committed
+    B's bytes, with checksums computed over them)."""
+    from safeckpt.protocol.staging import StagingPool
+    real = StagingPool.stage
+    a_staged, b_returned = threading.Event(), threading.Event()
+
+    def stage(self, layout):
+        staged = real(self, layout)
+        if threading.current_thread().name == "A":
+            a_staged.set()
+            b_returned.wait(1.0)  # B cannot return before A's save started: A goes on after 1 s
+        return staged
+
+    monkeypatch.setattr(StagingPool, "stage", stage)
+    states = {name: make_state(i + 1) for i, name in enumerate("AB")}
+    futures = {}
+
+    def save(name: str) -> None:
+        futures[name] = safeckpt.async_save(states[name], tmp_path / name)
+        if name == "B":
+            b_returned.set()
+        fill(states[name], 9)  # the call returned: the training changes its state
+
+    a = threading.Thread(target=save, args=("A",), name="A")
+    a.start()
+    assert a_staged.wait(60)
+    b = threading.Thread(target=save, args=("B",), name="B")
+    b.start()
+    a.join(60)
+    b.join(60)
+    for i, name in enumerate("AB"):
+        futures[name].result(timeout=60)
+        assert state_mismatch(safeckpt.load_state(tmp_path / name), i + 1) is None, name
+        assert safeckpt.verify(tmp_path / name).ok, name
+
+
+def test_the_shared_saver_is_made_once_whichever_threads_call_first(tmp_path, monkeypatch):
+    """``async_save`` calls share one saver (one save in flight, one set of buffers), even
+    when several threads make the first call at once."""
+    from safeckpt.run import asyncsave
+    monkeypatch.setattr(asyncsave, "_default", None)
+    made = []
+    real_init = asyncsave.AsyncSaver.__init__
+
+    def init(self):
+        made.append(self)
+        time.sleep(0.2)  # a slow first construction: the others call meanwhile
+        real_init(self)
+
+    monkeypatch.setattr(asyncsave.AsyncSaver, "__init__", init)
+    barrier = threading.Barrier(3)
+    futures = []
+
+    def save(i: int) -> None:
+        barrier.wait()
+        futures.append(safeckpt.async_save({"w": torch.full((8,), float(i))}, tmp_path / str(i)))
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(futures) == 3 and all(f.result(timeout=60) for f in futures)
+    assert len(made) == 1, f"{len(made)} shared savers were made"
+    for i in range(3):
+        assert torch.equal(safeckpt.load_state(tmp_path / str(i))["w"], torch.full((8,), float(i)))
+
+
 # --------------------------------------------------------------------------- SIGKILL
 
 

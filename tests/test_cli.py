@@ -636,3 +636,17 @@ def test_first_contact_messages_from_python(tmp_path):
     safeckpt.save({"w": torch.ones(2)}, tmp_path / "stepped", step=3)
     with pytest.raises(safeckpt.CheckpointExistsError, match=r"\(step 3\)"):
         safeckpt.save({"w": torch.ones(2)}, tmp_path / "stepped", step=3)
+
+
+def test_import_of_a_file_that_is_no_checkpoint_says_so(tmp_path):
+    """Text, random bytes, and random bytes that open like a pickle: 'not a checkpoint',
+    one line, nothing at DEST; never a KeyError or a hint to unpickle it oneself."""
+    files = {"notes.txt": b"hello, these are notes\n", "noise.bin": os.urandom(4096),
+             "pickle-like.bin": b"\x80\x02" + os.urandom(4096)}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    runs = run_all(*(cmd("import", tmp_path / name, tmp_path / f"out-{name}") for name in files))
+    for p, name in zip(runs, files):
+        line = one_error_line(p, name, "not a checkpoint")
+        assert "KeyError" not in line and "load it yourself" not in line, line
+        assert not (tmp_path / f"out-{name}").exists()

@@ -10,9 +10,9 @@ from a different random model. The last launch runs to the end, and its weights 
 equal bit for bit those of a run that was never interrupted.
 
 DeepSpeed's CPU accelerator compiles a small shared-memory extension the first time
-(about 35 s on an idle machine, minutes on a busy one; cached in
-~/.cache/torch_extensions): the ``deepspeed_ops`` fixture (conftest.py) builds it once, before any
-rank starts, so no launch times out on it.
+(about 35 s on an idle machine, minutes on a busy one): the setup (``./run tests``) builds
+it into ``.venv/torch_extensions`` and the ``deepspeed_ops`` fixture (conftest.py) points
+every rank there, so no launch compiles or times out on it.
 """
 
 from __future__ import annotations

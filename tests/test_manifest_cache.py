@@ -33,7 +33,8 @@ def test_the_same_bytes_are_decoded_once_and_altered_bytes_are_refused(tmp_path,
     real = manifestcache.decode_manifest
     monkeypatch.setattr(manifestcache, "decode_manifest", lambda d, w: calls.append(w) or real(d, w))
     first = manifestcache.decode(data, "a")
-    assert manifestcache.decode(bytes(data), "b") is first and calls == ["a"]
+    again = manifestcache.decode(bytes(data), "b")
+    assert calls == ["a"] and again.save_id == first.save_id and again.tensors is first.tensors
     flipped = bytearray(data)
     flipped[len(flipped) // 2] ^= 0x01
     with pytest.raises(safeckpt.CorruptCheckpointError):
@@ -48,10 +49,15 @@ def test_memory_is_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(manifestcache, "LIMIT_BYTES", 3 * len(data))
     m = decode_manifest(data, "m")
     variants = [encode_manifest(dataclasses.replace(m, created=float(k))) for k in range(5)]  # valid, new bytes
-    decoded = [manifestcache.decode(v, f"v{k}") for k, v in enumerate(variants)]
+    for k, v in enumerate(variants):
+        manifestcache.decode(v, f"v{k}")
     assert len(manifestcache._cache) == 3 and manifestcache._held[0] <= 3 * len(data) + 30
-    assert manifestcache.decode(variants[-1], "again") is decoded[-1]  # the newest stay
-    assert manifestcache.decode(variants[0], "again") is not decoded[0]  # the oldest went
+    calls = []
+    real = manifestcache.decode_manifest
+    monkeypatch.setattr(manifestcache, "decode_manifest", lambda d, w: calls.append(w) or real(d, w))
+    manifestcache.decode(variants[-1], "newest")
+    manifestcache.decode(variants[0], "oldest")
+    assert calls == ["oldest"]  # the newest stayed, the oldest went
 
 
 def test_async_manager_saves_decode_each_committed_manifest_once(tmp_path, monkeypatch):
@@ -73,3 +79,40 @@ def test_async_manager_saves_decode_each_committed_manifest_once(tmp_path, monke
     # retention and gc read every committed manifest after every save: each decoded once
     assert sorted(decoded) == sorted(set(decoded)), decoded
     assert safeckpt.load_state(mgr.path(6))["p0"][0].item() == 6
+
+
+def _scribble(value):
+    """Change every container inside ``value`` in place, as a careless caller might."""
+    if isinstance(value, dict):
+        for v in value.values():
+            _scribble(v)
+        value["scribbled"] = True
+    elif isinstance(value, list):
+        for v in value:
+            _scribble(v)
+        value.append("scribbled")
+    elif isinstance(value, set):
+        value.add("scribbled")
+
+
+def test_what_a_caller_receives_never_aliases_the_cache(tmp_path):
+    """Values a listing returns are the caller's own: changing them changes nothing that
+    a later listing, load or manager sees."""
+    metadata = {"cfg": {"lr": [0.1, 0.01], "sched": {"kind": "cosine", "warmup": [100]}}, "tags": {"a", "b"},
+                "epoch": 3}
+    metrics = {"loss": 0.5, "history": [0.9, 0.7]}
+    with safeckpt.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"w": torch.ones(2), "cfg": {"lr": [0.1]}}, metadata=metadata, metrics=metrics)
+    root = tmp_path / "run"
+    for attempt in range(2):  # the second attempt: what the first one scribbled on must not show
+        first = safeckpt.list_checkpoints(root)[0]
+        assert first.metadata == metadata and first.metrics == metrics, f"attempt {attempt}: {first}"
+        _scribble(first.metadata)
+        _scribble(first.metrics)
+        m = manifestcache.decode(next((root / "step-000000001").glob("manifest-*.json")).read_bytes(), "m")
+        assert m.metadata == metadata and m.metrics == metrics
+        _scribble(m.metadata)
+        state = safeckpt.load_state(root / "step-000000001")
+        assert state["cfg"] == {"lr": [0.1]}
+        _scribble(state)
+    assert safeckpt.list_checkpoints(root)[0].metadata == metadata

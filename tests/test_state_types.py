@@ -322,6 +322,68 @@ def test_non_contiguous_and_strided_views(ckpt):
         assert torch.all(buffer[untouched] == -1.0), f"{name}: wrote outside the view"
 
 
+def _lazy_views(n: int) -> dict[str, torch.Tensor]:
+    """Load targets whose memory is not their values: conjugate views (``conj()`` of
+    complex64, complex128 and a strided slice) and negative views (``conj().imag``,
+    ``_neg_view``)."""
+    return {"conj64": torch.zeros(n, dtype=torch.complex64).conj(),
+            "conj128": torch.zeros(n, dtype=torch.complex128).conj(),
+            "conj_strided": torch.zeros(2, n, dtype=torch.complex64).conj()[:, ::2],
+            "neg_imag": torch.zeros(n, dtype=torch.complex64).conj().imag,
+            "neg_view": torch._neg_view(torch.zeros(n, dtype=torch.float64))}
+
+
+def _saved_values(targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Values of each target's dtype and shape, with an imaginary part where there is one."""
+    out = {}
+    for k, t in targets.items():
+        ramp = torch.arange(1, t.numel() + 1, dtype=torch.float64).reshape(t.shape)
+        out[k] = (ramp + 2j * ramp if t.is_complex() else ramp).to(t.dtype)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load in one process
+@pytest.mark.parametrize("n", [8, 1 << 18], ids=["small", "large"])  # batched reads; whole chunks read directly
+def test_load_into_conjugate_and_negative_views_gives_the_saved_values(ckpt, n):
+    """A view whose memory holds the conjugate (or negation) of its values gets the saved
+    values: reading it back after the load gives what was saved, on every read path."""
+    views = _lazy_views(n)
+    assert all(v.is_conj() or v.is_neg() for v in views.values())
+    saved = _saved_values(views)
+    safeckpt.save(saved, ckpt)
+    mgr = safeckpt.CheckpointManager(ckpt.parent / "run")
+    mgr.save(1, saved)
+
+    def check(how: str, load: Callable[[dict], Any]) -> None:
+        targets = _lazy_views(n)
+        load(targets)
+        for k, t in targets.items():
+            assert t.is_conj() or t.is_neg(), f"{how}: {k} was replaced, not loaded in place"
+            assert torch.equal(t.resolve_conj().resolve_neg(), saved[k]), f"{how}: {k} holds other values"
+
+    check("load", lambda targets: safeckpt.load(targets, ckpt))
+    check("restore", lambda targets: mgr.restore(targets))
+    check("load without verify", lambda targets: safeckpt.load(targets, ckpt, verify=False))
+
+    def as_shards(targets: dict) -> None:  # a Shard of the whole tensor, then two of its halves
+        safeckpt.load({k: safeckpt.Shard(t, tuple(t.shape), (0,) * t.dim()) for k, t in targets.items()}, ckpt)
+        for k, t in targets.items():
+            t.zero_()
+        for half in range(2):
+            shards = {}
+            for k, t in targets.items():
+                cut = t.shape[-1] // 2
+                part = t[..., :cut] if half == 0 else t[..., cut:]
+                shards[k] = safeckpt.Shard(part, tuple(t.shape), (0,) * (t.dim() - 1) + (half * cut,))
+            safeckpt.load(shards, ckpt)
+    check("load into Shards", as_shards)
+
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    check("dcp.load with safeckpt.dcp.Reader",
+          lambda targets: dcp.load(targets, storage_reader=safeckpt.dcp.Reader(str(ckpt)), no_dist=True))
+    mgr.close()
+
+
 class TiedLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()

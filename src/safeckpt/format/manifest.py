@@ -19,9 +19,9 @@ from typing import Any
 from . import codec
 from .checksum import ALGORITHM, BLOCK_SIZE, checksum, is_checksum
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
-from .names import MANIFEST_RE, STEP_RE, is_shared, manifest_name, manifest_seq, root_path, shared_location  # noqa: F401
+from .names import MANIFEST_RE, is_shared, manifest_name, manifest_seq, root_path, shared_location, step_of  # noqa: F401
 from .records import Chunk, FileEntry, TensorEntry  # noqa: F401 - the manifest's parts
-from .compact import TableEntry, TensorTable, decode_table, from_entries
+from .compact import TableEntry, TensorTable, decode_table, from_entries, tie_error
 from .plan import PlanError, check_coverage
 from .tensors import dtype_from_name, is_shape
 
@@ -41,7 +41,7 @@ def check_relpath(name: object, where: str, siblings: bool = False) -> str:
         raise CorruptCheckpointError(f"{where}: file name {name!r} is not a relative path inside the checkpoint")
     parts = name.split("/")
     if siblings and parts[0] == ".." and len(parts) == 3:
-        if not STEP_RE.fullmatch(parts[1]):
+        if step_of(parts[1]) is None:
             raise CorruptCheckpointError(
                 f"{where}: file name {name!r} refers to a folder that is not a checkpoint of the run "
                 "(step-NNNNNNNNN)")
@@ -188,7 +188,7 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
             f"{where}: format version {version} is newer than this safeckpt understands "
             f"({FORMAT_VERSION}); upgrade safeckpt to read it")
     try:
-        return _decode_body(body, where)
+        return _decode_body(body, where, len(raw))
     except CorruptCheckpointError:
         raise
     except (KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
@@ -266,14 +266,19 @@ def _decode_tensors(saved: Any, files: dict[str, FileEntry], block: int, where: 
         if not (tied is None or (isinstance(tied, str) and tied in saved and tied != name)):
             raise CorruptCheckpointError(f"{where}: tensor {name!r}: tied to unknown tensor {tied!r}")
         tensors[name] = TensorEntry(dtype, shape, chunks, tied)
+    for name, t in tensors.items():  # a tie repeats its tensor (compact.TensorTable.check_ties)
+        if t.tied_to is not None:
+            first = tensors[t.tied_to]
+            if (first.dtype, first.shape, first.chunks) != (t.dtype, t.shape, t.chunks):
+                raise tie_error(where, name, t.tied_to)
     return tensors
 
 
-def _decode_body(body: dict, where: str) -> Manifest:
+def _decode_body(body: dict, where: str, length: int) -> Manifest:
     files = _decode_files(body["files"], where, body["format_version"])
     block = body.get("block_size", BLOCK_SIZE)
     _need(_is_int(block, 1), where, f"bad block_size {block!r}")
-    tensors = decode_table(body["tensors"], files, block, where) if body["format_version"] >= 3 else \
+    tensors = decode_table(body["tensors"], files, block, where, length) if body["format_version"] >= 3 else \
         _decode_tensors(body["tensors"], files, block, where)
     step, world, run_id = body.get("step"), body["world_size"], body.get("run_id")
     _need(run_id is None or isinstance(run_id, str), where, f"bad run_id {run_id!r}")

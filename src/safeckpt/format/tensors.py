@@ -80,6 +80,13 @@ def nbytes_of(shape: list[int] | tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 
+def holds_values(t: torch.Tensor) -> bool:
+    """A CPU tensor whose memory is its values in order, so its bytes may be copied in or
+    out directly: contiguous, and no lazy conjugate or negative bit (the memory of
+    ``z.conj()`` holds ``z``, and reads are conjugated on the way out)."""
+    return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
 def is_storable(t: torch.Tensor) -> bool:
     """Dense tensors with data; quantized (even a plain view as a quantized dtype: a
     quantized tensor always has one of those dtypes), sparse, nested and meta tensors are
@@ -90,8 +97,7 @@ def is_storable(t: torch.Tensor) -> bool:
 def to_storable(t: torch.Tensor, key: str) -> torch.Tensor:
     """A dense, contiguous CPU tensor with the same values, or a clear error (the common
     case is decided with the cheapest attribute checks: it runs once per tensor)."""
-    if t.is_cpu and t.layout == torch.strided and not t.is_nested and t.dtype not in QUANTIZED_DTYPES \
-            and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+    if t.layout == torch.strided and not t.is_nested and t.dtype not in QUANTIZED_DTYPES and holds_values(t):
         return t.detach() if t.requires_grad else t
     if not is_storable(t):
         raise UnsafeObjectError(

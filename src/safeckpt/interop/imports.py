@@ -111,8 +111,17 @@ def _weights_only_error(path: str, exc: BaseException) -> UnsafeObjectError:
 def read_torch(path: str) -> Any:
     """A ``torch.save`` file, read with ``weights_only=True``: a zip archive (every
     ``torch.save`` since torch 1.6) by ``torchzip``, its CRC-32s checked and tensors
-    memory-mapped; the legacy format, which carries no checksum, by ``torch.load``."""
+    memory-mapped; the legacy format, which carries no checksum, by ``torch.load``. A
+    file that is neither (it does not start as a pickle does) is refused as not a
+    checkpoint before torch's unpickler can call its bytes a dangerous pickle."""
     try:
+        if not zipfile.is_zipfile(path):
+            with open(path, "rb") as f:
+                if torchzip.LEGACY_MAGIC not in f.read(32):
+                    raise CorruptCheckpointError(
+                        f"{path}: not a checkpoint (neither a torch.save file, which is a zip archive or a "
+                        "pickle that starts with torch's magic number, nor a safetensors file); give the path of the "
+                        "checkpoint file itself")
         if zipfile.is_zipfile(path):
             mm = _map(path)
             try:

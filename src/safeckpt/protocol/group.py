@@ -10,6 +10,7 @@ same timeout.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import threading
@@ -112,7 +113,7 @@ class TorchGroup:
         return out.numpy().data
 
 
-_dedicated: dict[Any, TorchGroup] = {}
+_dedicated: dict[Any, tuple[Any, TorchGroup]] = {}  # key -> (the world it spans, the group)
 _lock = threading.Lock()
 
 
@@ -135,8 +136,26 @@ def resolve(process_group: Any = None, timeout_s: float | None = None,
     if not initialized or dist.get_world_size() == 1:
         return SingleGroup()
     with _lock:
-        key = (id(dist.group.WORLD), timeout_s, purpose)
+        world = dist.group.WORLD
+        for key in [k for k, (w, _) in _dedicated.items() if w is not world]:
+            del _dedicated[key]  # made for a world destroyed since (a job that re-initialized)
+        key = (timeout_s, purpose)
         if key not in _dedicated:
             pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-            _dedicated[key] = TorchGroup(pg, timeout_s)
-        return _dedicated[key]
+            _dedicated[key] = (world, TorchGroup(pg, timeout_s))
+        return _dedicated[key][1]
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Let go of the dedicated groups while the interpreter is still whole, also where a
+    manager kept in a global still holds one. A gloo group still referenced when the
+    interpreter tears down is destroyed in the middle of it, and its worker threads can
+    abort the process ("terminate called without an active exception") after a script
+    that did everything right, destroy_process_group included. Async saves are finished
+    before this runs (their exit handler was registered later, so it runs first)."""
+    with _lock:
+        groups = [g for _, g in _dedicated.values()]
+        _dedicated.clear()
+    for group in groups:
+        group.pg = None

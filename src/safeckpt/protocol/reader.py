@@ -25,7 +25,7 @@ from ..format.plan import Box, byte_runs, overlap, volume
 from .batchread import BatchedReads
 from .state import Read
 from ..storage import Storage
-from ..format.tensors import byte_view, dtype_from_name
+from ..format.tensors import byte_view, dtype_from_name, holds_values
 
 COALESCE_BELOW = 1 << 20
 COALESCE_MAX = 16 << 20
@@ -67,9 +67,17 @@ def chunks_needed(reads: list[Read]) -> list[list[Chunk]]:
     return out
 
 
+def _takes_bytes(dest: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Saved bytes of ``dtype`` may be read straight into ``dest``'s memory: a CPU tensor
+    of that dtype whose memory is its values (``holds_values``). Any other target (a
+    conjugate or negative view, a strided view, a GPU tensor) gets them through ``copy_``,
+    which stores what was saved as its values."""
+    return dest.dtype == dtype and holds_values(dest)
+
+
 def _whole(dest: torch.Tensor, dtype: torch.dtype, box: Box | None, shape: list[int]) -> bool:
-    """``box`` is the whole of a tensor of ``shape``, read into a contiguous CPU tensor of its dtype."""
-    return (dest.is_cpu and dest.dtype == dtype and dest.is_contiguous() and list(dest.shape) == shape
+    """``box`` is the whole of a tensor of ``shape``, read straight into ``dest`` (``_takes_bytes``)."""
+    return (_takes_bytes(dest, dtype) and list(dest.shape) == shape
             and (box is None or (not any(box[0]) and list(box[1]) == shape)))
 
 
@@ -196,8 +204,7 @@ class TensorReader:
             if ov is None:
                 continue
             covered += volume(ov[1])
-            direct = (ov == cbox == box and dest.is_cpu and dest.dtype == dtype
-                      and dest.is_contiguous())
+            direct = ov == cbox == box and _takes_bytes(dest, dtype)
             tmp = dest if direct else torch.empty(ov[1], dtype=dtype)
             runs = byte_runs(cbox[1], _relative(ov, cbox[0]), dtype.itemsize)
             jobs.append(_Job(name, chunk, runs, byte_view(tmp), runs == [(0, chunk.end - chunk.start)]))

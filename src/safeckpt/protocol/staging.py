@@ -21,7 +21,7 @@ import torch
 
 from .datafile import DataFileLayout, WrittenPiece, region_checksums, runs
 from .state import FlatState, Piece
-from ..format.tensors import byte_view
+from ..format.tensors import byte_view, holds_values
 
 Part = Union[bytes, memoryview]
 STAGED_REGION = 8 << 20  # staged regions are reused from save to save, so their size costs no page faults;
@@ -35,12 +35,6 @@ class StagedFile:
 
     parts: list[tuple[Part, WrittenPiece | None]]
     written: list[WrittenPiece]
-
-
-def _plain(src: torch.Tensor) -> bool:
-    """A CPU tensor whose bytes are its values, in order: copied with one ``memmove``
-    (no torch op, the GIL released)."""
-    return src.is_cpu and src.is_contiguous() and not src.is_conj() and not src.is_neg()
 
 
 def _bytes_of(src: torch.Tensor) -> torch.Tensor:
@@ -79,7 +73,7 @@ class StagingPool:
     def _copy(buf: torch.Tensor, src: torch.Tensor, pending: set) -> None:
         """Copy ``src`` into a buffer of its shape and dtype; a copy from a GPU is
         asynchronous, and its device is added to ``pending`` (synchronized once)."""
-        if _plain(src):
+        if holds_values(src):  # one ``memmove``: no torch op, the GIL released
             if buf.nbytes:
                 ctypes.memmove(buf.data_ptr(), src.data_ptr(), buf.nbytes)
             return
@@ -148,7 +142,7 @@ class StagingPool:
         for _, src, start, end in run:
             if end == start:
                 continue
-            if _plain(src):
+            if holds_values(src):  # one ``memmove``: no torch op, the GIL released
                 move(address + start, src.data_ptr(), end - start)
             else:
                 buf[start - base:end - base].copy_(_bytes_of(src), non_blocking=src.is_cuda)

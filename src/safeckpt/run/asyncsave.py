@@ -6,6 +6,9 @@ background thread, which shares the GIL with the training, runs almost no Python
 (``staged``). Afterwards the training may change its tensors freely. At most one save is in
 flight per saver: the next save first waits for the previous commit, so host memory
 for staging is bounded by one copy of the state's tensors, reused from save to save.
+Any thread may submit: a saver takes one submission at a time, whole (wait for the
+previous commit, snapshot, start), so no two saves ever share a staging buffer, and
+what a save commits is what its own call snapshotted.
 An error is never lost: ``result()`` raises it, and if nobody asked, the next save,
 ``wait()`` or ``close()`` does.
 """
@@ -56,7 +59,8 @@ class AsyncSaver:
         self.pool = StagingPool()
         self.pending: SaveFuture | None = None
         self._work: Callable[[], CheckpointInfo] | None = None  # the save in flight, freed by ``wait``
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards ``pending`` and ``_work``
+        self._submitting = threading.Lock()  # one submission at a time: wait, snapshot, start
         _live.add(self)
 
     @gc_paused
@@ -66,6 +70,11 @@ class AsyncSaver:
         A full save by one process is staged: every per-tensor step runs here, and the
         background thread only writes, hashes large pieces and commits (``staged``)."""
         started = time.perf_counter()
+        with self._submitting:  # held until the save has started: its buffers are its own
+            return self._submit(state, request, on_done, started)
+
+    def _submit(self, state: dict, request: SaveRequest,
+                on_done: Callable[[CheckpointInfo, float], None] | None, started: float) -> SaveFuture:
         self.wait()
         flattener = request.flattener(state)  # one process: flattened now, a bad state raises here
         work: Callable[[], CheckpointInfo]
@@ -86,6 +95,13 @@ class AsyncSaver:
                     raise
                 snapshot = _raiser(exc)  # the other ranks must learn of it, or they would wait
             work = lambda: request.run(snapshot, started)  # noqa: E731
+        return self.run_in_background(work, started, on_done)
+
+    def run_in_background(self, work: Callable[[], Any], started: float,
+                          on_done: Callable[[Any, float], None] | None = None) -> SaveFuture:
+        """Run ``work`` (a save whose state is already snapshotted, started at
+        ``started``) on the background thread; its error is delivered as ``submit``'s
+        are. Call ``wait()`` first: one save is in flight at a time."""
         future = SaveFuture(time.perf_counter() - started)
         thread = threading.Thread(target=self._run, args=(future, work, on_done),
                                   name="safeckpt-async-save")  # not a daemon: exit waits for it
@@ -94,8 +110,8 @@ class AsyncSaver:
         thread.start()
         return future
 
-    def _run(self, future: SaveFuture, work: Callable[[], CheckpointInfo],
-             on_done: Callable[[CheckpointInfo, float], None] | None) -> None:
+    def _run(self, future: SaveFuture, work: Callable[[], Any],
+             on_done: Callable[[Any, float], None] | None) -> None:
         try:
             info = work()
             if on_done is not None:
@@ -129,12 +145,14 @@ class AsyncSaver:
         return None
 
     def close(self) -> None:
-        """Wait for the save in flight (raising its unseen error) and free the buffers."""
-        try:
-            self.wait()
-        finally:
-            self.pool.buffers.clear()
-            _live.discard(self)
+        """Wait for the save in flight (raising its unseen error) and free the buffers
+        (after a submission another thread is making)."""
+        with self._submitting:
+            try:
+                self.wait()
+            finally:
+                self.pool.buffers.clear()
+                _live.discard(self)
 
 
 def _raiser(exc: BaseException) -> Callable[[], Any]:
@@ -144,7 +162,17 @@ def _raiser(exc: BaseException) -> Callable[[], Any]:
 
 
 _live: "weakref.WeakSet[AsyncSaver]" = weakref.WeakSet()
-_default: AsyncSaver | None = None
+_default: AsyncSaver | None = None  # the saver ``async_save`` calls share, made once (``_shared``)
+_default_lock = threading.Lock()
+
+
+def _shared() -> AsyncSaver:
+    """The saver every ``async_save`` call uses, whichever thread calls first."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = AsyncSaver()
+        return _default
 
 
 def async_save(state: dict, path: Any, *, overwrite: bool = False, metadata: dict | None = None,
@@ -152,16 +180,13 @@ def async_save(state: dict, path: Any, *, overwrite: bool = False, metadata: dic
                allow_pickle: bool = False) -> SaveFuture:
     """Like ``save``, but returns a ``SaveFuture`` as soon as the state is snapshotted.
 
-    Saves through this function share one background saver: a second call waits for
-    the first commit. In a torch.distributed job the commit runs on its own gloo group,
-    so it never interleaves with the training's collectives."""
-    global _default
-    if _default is None:
-        _default = AsyncSaver()
+    Saves through this function share one background saver: a second call, from any
+    thread, waits for the first commit. In a torch.distributed job the commit runs on
+    its own gloo group, so it never interleaves with the training's collectives."""
     request = save_request(path, overwrite=overwrite, metadata=metadata,
                            process_group=background_group(process_group),
                            storage_options=storage_options, allow_pickle=allow_pickle)
-    return _default.submit(state, request)
+    return _shared().submit(state, request)
 
 
 def background_group(process_group: Any) -> Any:

@@ -7,20 +7,21 @@ tells the others what it saw, so the ranks never branch on listings that disagre
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 from concurrent.futures import Future
 import threading
 import time
 import uuid
-from typing import Any, cast
+from typing import Any, Callable, TypeVar, cast
 
 from ..errors import CleanupWarning, ForeignRunWarning, SkippedCheckpointWarning, warn
 from . import garbage
 from .asyncsave import AsyncSaver, SaveFuture, background_group
 from ..protocol.checkpoint import CheckpointInfo, load, log_save, save_request
 from ..format.folder import retire
-from ..format.folder import FolderState, CheckpointState, committed_steps, step_folders, step_state
+from ..format.folder import FolderState, CheckpointState, step_folders, step_state
 from ..protocol.incremental import CHUNK_SIZE, MIN_CHUNK_SIZE
 from .tiered import Candidate, Replicator, belongs, tier_candidates, warn_foreign
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, StorageError,
@@ -35,8 +36,18 @@ from ..storage import Storage
 from ..storage import open as open_storage
 
 log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _one_call_at_a_time(method: F) -> F:
+    """A manager's saves, restores and deletions run one at a time, whichever threads
+    call them: a save reads the newest checkpoint to share chunks with and its retention
+    deletes older ones, which another thread's save in progress may be sharing."""
+    @functools.wraps(method)
+    def wrapper(self: "CheckpointManager", *args: Any, **kwargs: Any) -> Any:
+        with self._calls:
+            return method(self, *args, **kwargs)
+    return wrapper  # type: ignore[return-value]
 
 
 class CheckpointManager:
@@ -48,7 +59,8 @@ class CheckpointManager:
     new run started in an old root leaves the old run's checkpoints alone; a run that
     restored from one continues it). Only ``step-NNNNNNNNN`` folders and safeckpt's own
     files in them are ever touched. One manager writes a root at a time (see
-    ``lease``). With ``async_save=True``, ``save`` returns a ``SaveFuture`` once the
+    ``lease``); any thread may call it, and its saves, restores and deletions run one
+    at a time. With ``async_save=True``, ``save`` returns a ``SaveFuture`` once the
     state is snapshotted. With ``handle_sigterm=True``, SIGTERM sets ``preempted``.
 
     With ``incremental=True`` each save writes only the chunks (``chunk_size`` bytes of
@@ -100,6 +112,7 @@ class CheckpointManager:
         self._group: SingleGroup | TorchGroup | None = None
         self._lease: WriterLease | None = None
         self._lease_lock = threading.Lock()
+        self._calls = threading.RLock()  # see _one_call_at_a_time
         self._leased = False  # every rank: the first save took the lease (rank 0 holds it)
         self._saver = AsyncSaver() if async_save else None
         self._warned_foreign = False
@@ -154,9 +167,19 @@ class CheckpointManager:
     def _read(self, step: int, root: Storage | None = None) -> FolderState:
         return step_state(root or self.save_root, step)
 
-    def _committed(self, root: Storage | None = None) -> dict[int, Manifest]:
+    def _committed(self, root: Storage | None = None, complete: bool = False) -> dict[int, Manifest]:
+        """Step -> manifest of the committed steps of this job's durable root; ``complete``:
+        raise ``StorageError`` if a step folder cannot be read (retention must know every
+        checkpoint that may share the data it deletes, and its metrics)."""
         root = root or self.save_root
-        return {s: m for s, m in committed_steps(root).items() if not self._foreign(root, m)}
+        out: dict[int, Manifest] = {}
+        for step in self._step_folders(root):
+            found = self._read(step, root)
+            if complete and found.state is CheckpointState.UNREADABLE:
+                raise StorageError(f"retention stopped: {found.problem}")
+            if found.manifest is not None and not self._foreign(root, found.manifest):
+                out[step] = found.manifest
+        return out
 
     def _foreign(self, root: Storage, m: Manifest) -> bool:
         """A checkpoint in the local tier saved for another durable root (a job that used
@@ -191,6 +214,7 @@ class CheckpointManager:
         return self._closed
 
     # -- saving ----------------------------------------------------------------------
+    @_one_call_at_a_time
     def save(self, step: int, state: dict, *, metrics: dict | None = None,
              metadata: dict | None = None) -> CheckpointInfo | SaveFuture:
         """Save ``state`` as the checkpoint of ``step``, then apply retention and
@@ -295,7 +319,7 @@ class CheckpointManager:
                 protect: "set[int] | frozenset[int]" = frozenset(), fenced: bool = True) -> None:
         if retention.keeps_all:
             return
-        committed = self._committed(root)
+        committed = self._committed(root, complete=True)
         mine = {s: m.metrics for s, m in committed.items() if m.run_id == self.run_id}
         others = sorted(s for s, m in committed.items() if m.run_id != self.run_id)
         if others and not self._warned_foreign:
@@ -310,6 +334,7 @@ class CheckpointManager:
             self._delete(root, step, committed)
             del committed[step]
 
+    @_one_call_at_a_time
     def delete(self, step: int) -> None:
         """Delete a checkpoint (from every tier): manifests first (durably), then the data
         no other checkpoint shares, then the folder. Shared data stays (the folder
@@ -318,7 +343,7 @@ class CheckpointManager:
         self.wait()
         for root in self.tiers:
             if (m := self._read(step, root).manifest) is None or not self._foreign(root, m):
-                self._delete(root, step, self._committed(root))
+                self._delete(root, step, self._committed(root, complete=True))
 
     def _delete(self, root: Storage, step: int, committed: dict[int, Manifest]) -> None:
         name = step_folder(step)
@@ -336,6 +361,7 @@ class CheckpointManager:
         log.info("deleted checkpoint of step %d from %s%s", step, root.url,
                  f" ({len(shared)} shared file(s) kept)" if shared else "")
 
+    @_one_call_at_a_time
     def gc(self, *, dry_run: bool = False, min_age_s: float | None = None) -> list[str]:
         """Remove files of interrupted saves and data no committed checkpoint needs;
         never a committed checkpoint or a file safeckpt did not write. Call it between
@@ -352,6 +378,7 @@ class CheckpointManager:
                 for name in garbage.collect(t, min_age_s=min_age_s, dry_run=dry_run)]
 
     # -- restoring ---------------------------------------------------------------------
+    @_one_call_at_a_time
     def restore(self, state: dict, step: int | None = None, *, strict: bool = True) -> int | None:
         """Load the newest valid checkpoint (or ``step``) into ``state``; return its step.
 
@@ -379,9 +406,12 @@ class CheckpointManager:
             if status is CheckpointState.RETIRED:
                 continue
             if status is not CheckpointState.COMMITTED:
-                # a crash can leave only the newest save torn; older damage is corruption
-                failed = failed or (status is CheckpointState.CORRUPT and (not first_of_tier or step is not None))
-                skipped.append(f"step {candidate} in {root.url}: not committed ({problem})")
+                # a crash can leave only the newest save torn; older damage is corruption, and
+                # an unreadable folder may hold a commit: nothing loading is then an error
+                failed = failed or status is CheckpointState.UNREADABLE or (
+                    status is CheckpointState.CORRUPT and (not first_of_tier or step is not None))
+                why = "unreadable" if status is CheckpointState.UNREADABLE else "not committed"
+                skipped.append(f"step {candidate} in {root.url}: {why} ({problem})")
                 self._damaged.add(candidate)
                 continue
             try:
@@ -455,6 +485,7 @@ class CheckpointManager:
             self._nodes.sync.wait()
         return info
 
+    @_one_call_at_a_time
     def close(self) -> None:
         """Commit what is in flight; the manager cannot be used afterwards."""
         if self._closed:

@@ -64,8 +64,9 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -90,6 +91,7 @@ from ..protocol.checkpoint import CheckpointInfo, gc_paused, load_state, save_re
 from ..protocol.checkpoint import verify as safeckpt_verify
 from ..protocol.commit import DATA_RE
 from ..protocol.group import SingleGroup
+from ..protocol.staging import StagingPool
 from ..protocol.state import is_stateful
 from ..run.asyncsave import AsyncSaver
 from ..run.garbage import garbage_in
@@ -103,6 +105,7 @@ __all__ = ["SafeCheckpointIO", "SafeModelParallelStrategy", "SafeFSDPStrategy", 
 log = logging.getLogger(__name__)
 
 MIN_LIGHTNING = (2, 2)
+_SAVER_LOCK = threading.Lock()  # makes and drops the plugins' savers (a lock per plugin would not pickle)
 LAYOUTS = ("file", "folder")  # SafeCheckpointIO(layout=...): Lightning's .ckpt file, or a safeckpt folder
 
 
@@ -178,21 +181,22 @@ class SafeCheckpointIO(TorchCheckpointIO):
         _clear_for_file(folder, name)
         started = time.perf_counter()
         if self.async_save:
-            saver = self._saver = self._saver or AsyncSaver()
-            saver.wait()
-            try:
-                snapshot = host_snapshot(checkpoint, saver.pool)
-            except Exception as exc:  # noqa: BLE001 - a value deepcopy refuses: save it now instead
-                warn(f"{url} was saved synchronously: the checkpoint holds a value that cannot be copied "
-                     f"for a background save ({type(exc).__name__}: {exc})", SafeckptWarning)
-            else:
+            def prepare(pool: StagingPool) -> Callable[[], int]:
+                snapshot = host_snapshot(checkpoint, pool)
+
                 def work() -> int:
                     try:
                         return write_torch_file(snapshot.value, folder, name, lambda: self._before_commit(url))
                     finally:
                         snapshot.release()
-                saver.run_in_background(work, started, lambda size, blocked: _log_file(url, size, started, blocked))
+                return work
+            try:
+                self._async_saver().submit_prepared(
+                    prepare, lambda size, blocked: _log_file(url, size, started, blocked))
                 return
+            except Exception as exc:  # noqa: BLE001 - a value deepcopy refuses: save it now instead
+                warn(f"{url} was saved synchronously: the checkpoint holds a value that cannot be copied "
+                     f"for a background save ({type(exc).__name__}: {exc})", SafeckptWarning)
         size = write_torch_file(checkpoint, folder, name, lambda: self._before_commit(url))
         _log_file(url, size, started, 0.0)
 
@@ -224,10 +228,8 @@ class SafeCheckpointIO(TorchCheckpointIO):
             info = _run_sync(request, checkpoint, url, started)
             self._after_commit(folder, info)
             return
-        if self._saver is None:
-            self._saver = AsyncSaver()
         try:
-            self._saver.submit(checkpoint, request, on_done=lambda info, blocked: self._after_commit(folder, info))
+            self._async_saver().submit(checkpoint, request, on_done=lambda info, blocked: self._after_commit(folder, info))
         except UnsafeObjectError as exc:
             raise UnsafeObjectError(f"cannot save the Lightning checkpoint {url}: {exc}. {_UNSAFE_HINT}") from exc
 
@@ -334,6 +336,13 @@ class SafeCheckpointIO(TorchCheckpointIO):
         remove_checkpoint_at(path, self._options(None))
 
     # -- lifetime -------------------------------------------------------------------------
+    def _async_saver(self) -> AsyncSaver:
+        """This plugin's saver, made once even when several threads save at once."""
+        with _SAVER_LOCK:
+            if self._saver is None:
+                self._saver = AsyncSaver()
+            return self._saver
+
     def wait(self) -> Any:
         """Wait for the async save in flight (if any); raise its error if nobody saw it."""
         return self._saver.wait() if self._saver is not None else None
@@ -341,7 +350,8 @@ class SafeCheckpointIO(TorchCheckpointIO):
     def teardown(self) -> None:
         """Called by Lightning at the end of fit/validate/test: waits for the save in
         flight and releases the host staging buffers."""
-        saver, self._saver = self._saver, None
+        with _SAVER_LOCK:
+            saver, self._saver = self._saver, None
         if saver is not None:
             saver.close()
 

@@ -95,13 +95,24 @@ class AsyncSaver:
                     raise
                 snapshot = _raiser(exc)  # the other ranks must learn of it, or they would wait
             work = lambda: request.run(snapshot, started)  # noqa: E731
-        return self.run_in_background(work, started, on_done)
+        return self._start(work, started, on_done)
 
-    def run_in_background(self, work: Callable[[], Any], started: float,
-                          on_done: Callable[[Any, float], None] | None = None) -> SaveFuture:
-        """Run ``work`` (a save whose state is already snapshotted, started at
-        ``started``) on the background thread; its error is delivered as ``submit``'s
-        are. Call ``wait()`` first: one save is in flight at a time."""
+    def submit_prepared(self, prepare: Callable[[StagingPool], Callable[[], Any]],
+                        on_done: Callable[[Any, float], None] | None = None) -> SaveFuture:
+        """Like ``submit`` for a save that snapshots its state itself: ``prepare(pool)``
+        copies what it needs into the saver's buffers and returns the work to run in the
+        background. It runs inside the same one-at-a-time section as ``submit`` (after the
+        previous save finished), so no two saves ever share the buffers; what it raises
+        reaches the caller and nothing starts."""
+        started = time.perf_counter()
+        with self._submitting:
+            self.wait()
+            return self._start(prepare(self.pool), started, on_done)
+
+    def _start(self, work: Callable[[], Any], started: float,
+               on_done: Callable[[Any, float], None] | None) -> SaveFuture:
+        """Run ``work`` (a save already snapshotted) on the background thread; its error
+        is delivered through the future."""
         future = SaveFuture(time.perf_counter() - started)
         thread = threading.Thread(target=self._run, args=(future, work, on_done),
                                   name="safeckpt-async-save")  # not a daemon: exit waits for it

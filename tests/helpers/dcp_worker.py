@@ -320,7 +320,7 @@ def sc_dcp_accel_save(ctx: dw.Ctx) -> dict:
             dw.fsdp_train_step(model, opt, ctx.rank, step)
         acc = _accelerator(model, opt)
         acc.step = 2
-        info = sa.save_state(acc, str(ctx.root / f"accel_{kind}"), 2)
+        info = sa.save_state(acc, str(ctx.root / f"accel_{kind}"), 2, layout="safeckpt")  # sharded, reshardable
         expected = _full_state(model, opt)
         if ctx.rank == 0:
             torch.save(expected, ctx.root / f"accel_{kind}_expected.pt")
@@ -360,7 +360,7 @@ def _trainer(model, opt, output_dir: str):
     hf_logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     args = TrainingArguments(output_dir=output_dir, use_cpu=True, report_to=[], save_total_limit=2)
-    return SafeTrainer(model=model, args=args, optimizers=(opt, None))
+    return SafeTrainer(model=model, args=args, optimizers=(opt, None), checkpoint_layout="safeckpt")
 
 
 def sc_dcp_trainer_save(ctx: dw.Ctx) -> dict:

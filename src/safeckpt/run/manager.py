@@ -335,6 +335,16 @@ class CheckpointManager:
             del committed[step]
 
     @_one_call_at_a_time
+    def retain(self, just_saved: int | None = None) -> None:
+        """Apply the retention rules now, as after a save, keeping ``just_saved``: for
+        checkpoints of this run committed another way (a folder another tool wrote,
+        sealed with ``safeckpt.seal(..., run_id=mgr.run_id)``). Every rank calls it;
+        rank 0 deletes."""
+        self._check_open()
+        if self.group.rank == 0:
+            self._retain(self.save_root, self.retention, just_saved)
+
+    @_one_call_at_a_time
     def delete(self, step: int) -> None:
         """Delete a checkpoint (from every tier): manifests first (durably), then the data
         no other checkpoint shares, then the folder. Shared data stays (the folder

@@ -82,6 +82,7 @@ class Manifest:
     metrics: dict[str, Any] = field(default_factory=dict)
     block_size: int = BLOCK_SIZE
     run_id: str | None = None  # the CheckpointManager run that wrote it (retention scope)
+    durable_root: str | None = None  # a local tier's save: the durable root it belongs to (its URL)
     version: int = 1  # saves write WRITE_VERSION; seal keeps the version it found
     dcp: DcpRecord | None = None  # written by safeckpt.dcp.Writer
 
@@ -144,6 +145,8 @@ def encode_manifest(m: Manifest) -> bytes:
     }
     if transformed:
         body["transformed"] = transformed
+    if m.durable_root is not None:
+        body["durable_root"] = m.durable_root
     if m.dcp is not None:
         body["dcp"] = {"items": m.dcp.items, "planner_data": m.dcp.planner_data, "bytesio": m.dcp.bytesio}
     return frame(json.dumps(body, separators=(",", ":"), allow_nan=False).encode())
@@ -291,6 +294,8 @@ def _decode_body(body: dict, where: str, length: int) -> Manifest:
         tensors = stored_as.decode(tensors, body["transformed"], where)
     step, world, run_id = body.get("step"), body["world_size"], body.get("run_id")
     _need(run_id is None or isinstance(run_id, str), where, f"bad run_id {run_id!r}")
+    durable_root = body.get("durable_root")
+    _need(durable_root is None or isinstance(durable_root, str), where, f"bad durable_root {durable_root!r}")
     _need(step is None or _is_int(step), where, f"bad step {step!r}")
     _need(_is_int(world, 1), where, f"bad world_size {world!r}")
     _need(isinstance(body["save_id"], str) and _is_int(body["seq"], 1)
@@ -303,7 +308,7 @@ def _decode_body(body: dict, where: str, length: int) -> Manifest:
     return Manifest(
         save_id=body["save_id"], seq=body["seq"], created=float(body["created"]), world_size=world,
         files=files, tensors=tensors, tree=tree, step=step, block_size=block, run_id=run_id,
-        metadata=decode_values(body.get("metadata") or {}, "metadata", where),
+        durable_root=durable_root, metadata=decode_values(body.get("metadata") or {}, "metadata", where),
         metrics=decode_values(body.get("metrics") or {}, "metrics", where), version=body["format_version"],
         dcp=dcp)
 

@@ -528,6 +528,10 @@ def test_a_checkpoint_under_another_step_folder_counts_for_nothing(tiers, tier):
     assert any(step_folder(9) in m and "step 2" in m for m in messages(seen)), messages(seen)
     assert mgr.steps() == [1, 2, 3] and mgr.latest_step() == 3
     mgr.close()
+    if tier == "durable":  # the listing (safeckpt ls, verify) agrees with the manager
+        rows = {row.step: row for row in safeckpt.list_checkpoints(durable)}
+        assert rows[9].state is safeckpt.CheckpointState.CORRUPT and "step 2" in rows[9].problem, rows[9]
+        assert rows[3].committed
 
 
 # --------------------------------------------------------------------------- failures

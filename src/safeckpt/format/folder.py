@@ -66,14 +66,18 @@ def step_folders(root: Storage) -> list[int]:
 
 
 def step_state(root: Storage, step: int) -> FolderState:
-    """The state of a run root's folder of ``step``: ``folder_state``, except that a
-    checkpoint of another step (a folder copied or renamed by hand) is not a checkpoint
-    of this one (corrupt, saying which step it holds)."""
+    """The state of a run root's folder of ``step`` (see ``as_step``)."""
     folder = root.child(step_folder(step))
-    found = folder_state(folder)
-    if found.manifest is not None and found.manifest.step not in (None, step):
+    return as_step(folder_state(folder), folder.url, step)
+
+
+def as_step(found: FolderState, url: str, step: int | None) -> FolderState:
+    """``found``, the state of the folder ``url``, as the folder of ``step``: a checkpoint
+    of another step (a folder copied or renamed by hand) is not a checkpoint of this one
+    (corrupt, saying which step it holds). ``step`` None: any step."""
+    if step is not None and found.manifest is not None and found.manifest.step not in (None, step):
         return FolderState(CheckpointState.CORRUPT, problem=(
-            f"{folder.url} holds the checkpoint of step {found.manifest.step}, not of step {step} (copied or "
+            f"{url} holds the checkpoint of step {found.manifest.step}, not of step {step} (copied or "
             "renamed by hand?); it counts for nothing here"))
     return found
 

@@ -17,7 +17,7 @@ from ..storage import Storage
 from . import manifestcache
 from .manifest import Manifest
 from .states import CheckpointState
-from .names import DATA_RE, RETIRED as RETIRED_MARKER, is_shared, manifest_seq, shared_location, step_of
+from .names import DATA_RE, RETIRED as RETIRED_MARKER, is_shared, manifest_seq, shared_location, step_folder, step_of
 
 
 _RETIRED_WHY = "deleted by retention; holds data later checkpoints share"
@@ -63,6 +63,28 @@ def step_folders(root: Storage) -> list[int]:
     """The steps of a run root's step folders (``names.step_of``), ascending."""
     return sorted(step for name, size in root.listdir().items()
                   if size is None and (step := step_of(name)) is not None)
+
+
+def step_state(root: Storage, step: int) -> FolderState:
+    """The state of a run root's folder of ``step`` (see ``as_step``)."""
+    folder = root.child(step_folder(step))
+    return as_step(folder_state(folder), folder.url, step)
+
+
+def as_step(found: FolderState, url: str, step: int | None) -> FolderState:
+    """``found``, the state of the folder ``url``, as the folder of ``step``: a checkpoint
+    of another step (a folder copied or renamed by hand) is not a checkpoint of this one
+    (corrupt, saying which step it holds). ``step`` None: any step."""
+    if step is not None and found.manifest is not None and found.manifest.step not in (None, step):
+        return FolderState(CheckpointState.CORRUPT, problem=(
+            f"{url} holds the checkpoint of step {found.manifest.step}, not of step {step} (copied or "
+            "renamed by hand?); it counts for nothing here"))
+    return found
+
+
+def committed_steps(root: Storage) -> dict[int, Manifest]:
+    """Step -> manifest of every committed checkpoint of a run root (by ``step_state``)."""
+    return {s: m for s in step_folders(root) if (m := step_state(root, s).manifest) is not None}
 
 
 def manifest_seqs(listing: dict[str, int | None]) -> list[tuple[int, str]]:

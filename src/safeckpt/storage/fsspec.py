@@ -1,7 +1,10 @@
 """Object stores and other fsspec filesystems (``gs://``, ``az://``, ``memory://``, ...).
 
 Nothing here renames: every file is one object written once under its final name,
-with fsspec's ``"xb"`` mode where the backend accepts it. S3 has a class of its own
+with fsspec's ``"xb"`` mode where the backend accepts it. ``open_replace`` streams the
+final object with ``"wb"`` on an object store (it appears whole when its upload
+completes), and on other fsspec filesystems (``memory://``, ...) writes a temporary
+name in the same folder and moves it over the name. S3 has a class of its own
 (``s3.S3Storage``) that calls the S3 API directly, so that each guarantee is explicit
 rather than left to s3fs's file layer:
 
@@ -28,7 +31,7 @@ import errno
 from typing import Any, Iterable
 
 from ..errors import StorageError
-from .base import Buffer, Storage
+from .base import Buffer, Replacement, Storage, is_replace_temp, replace_temp_name
 from .urls import install_hint, url_scheme
 
 try:
@@ -54,7 +57,7 @@ def bytes_view(part: Buffer) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _client_error(exc: BaseException) -> tuple[str | None, int | None]:
+def client_error(exc: BaseException) -> tuple[str | None, int | None]:
     """(S3 error code, HTTP status) of a botocore error, possibly wrapped by s3fs."""
     for e in (exc, exc.__cause__, exc.__context__):
         response = getattr(e, "response", None)
@@ -73,13 +76,13 @@ def is_backend_error(exc: BaseException) -> bool:
 
 
 def is_precondition_failed(exc: BaseException) -> bool:
-    code, status = _client_error(exc)
+    code, status = client_error(exc)
     return status == 412 or code == "PreconditionFailed" or isinstance(exc, FileExistsError)
 
 
 def is_definite(exc: BaseException) -> bool:
     """True when the server certainly refused the request (a 4xx other than 408/409/412/429)."""
-    code, status = _client_error(exc)
+    code, status = client_error(exc)
     if status is None:
         return isinstance(exc, (PermissionError, FileNotFoundError))
     return 400 <= status < 500 and status not in (408, 409, 412, 429)
@@ -87,7 +90,7 @@ def is_definite(exc: BaseException) -> bool:
 
 def object_store_error(exc: BaseException, action: str, where: str, endpoint: str | None = None) -> StorageError:
     """Translate an s3fs/botocore/fsspec failure into a ``StorageError`` that says why."""
-    code, status = _client_error(exc)
+    code, status = client_error(exc)
     name = type(exc).__name__
     detail = str(exc)
     err_no = getattr(exc, "errno", None)
@@ -130,6 +133,7 @@ class FsspecStorage(Storage):
     # a create is refused when the name exists, but two racing writers are not provably
     # kept apart
     exclusive_create = False
+    can_replace = True
 
     def __init__(self, url: str | None = None, *, fs: Any = None, path: str | None = None,
                  part_size: int = PART_SIZE, parallel_parts: int = PARALLEL_PARTS,
@@ -209,6 +213,9 @@ class FsspecStorage(Storage):
             raise self._err(exc, "write", name) from exc
         return written
 
+    def open_replace(self, name: str) -> Replacement:
+        return _FsspecReplacement(self, name)
+
     def _discard(self, f: Any, path: str) -> None:
         """Abandon a file being written: nothing may appear under its name. fsspec's
         buffered files would complete the upload on ``close()`` (even from ``__exit__``
@@ -253,7 +260,7 @@ class FsspecStorage(Storage):
         except (FileNotFoundError, EOFError):
             raise
         except OSError as exc:
-            code, _ = _client_error(exc)
+            code, _ = client_error(exc)
             if code in ("NoSuchKey", "InvalidRange"):
                 if code == "NoSuchKey":
                     raise FileNotFoundError(errno.ENOENT, "no such object", self._where(name)) from exc
@@ -266,7 +273,7 @@ class FsspecStorage(Storage):
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "no such file", self._where(name)) from None
         except OSError as exc:
-            code, status = _client_error(exc)
+            code, status = client_error(exc)
             if status == 404 and code != "NoSuchBucket":
                 raise FileNotFoundError(errno.ENOENT, "no such file", self._where(name)) from exc
             raise self._err(exc, "stat", name) from exc
@@ -318,3 +325,56 @@ class FsspecStorage(Storage):
             self.fs.rmdir(self.path)
         except OSError:
             return  # missing or not empty: nothing to do
+
+
+class _FsspecReplacement(Replacement):
+    """A replacement through an fsspec file (see the module docstring)."""
+
+    def __init__(self, storage: FsspecStorage, name: str) -> None:
+        self.storage, self.name = storage, name
+        self.staged = not storage.object_store
+        self.target = replace_temp_name(name) if self.staged else name
+        try:
+            if self.staged:
+                self._remove_leftovers()
+            self.file: Any = storage.fs.open(storage._full(self.target), "wb", block_size=storage.part_size)
+        except OSError as exc:
+            raise storage._err(exc, "create", self.target) from exc
+
+    def _remove_leftovers(self) -> None:
+        head, _, base = self.name.rpartition("/")
+        folder = self.storage.child(head) if head else self.storage
+        folder.delete([n for n, size in folder.listdir().items() if size is not None and is_replace_temp(n, base)])
+
+    def write(self, data: Buffer) -> int:
+        view = bytes_view(data)
+        try:
+            self.file.write(view)
+        except OSError as exc:
+            self.abort()
+            raise self.storage._err(exc, "write", self.name) from exc
+        self.written += len(view)
+        return len(view)
+
+    def commit(self) -> int:
+        storage = self.storage
+        try:
+            self.file.close()  # an object store completes the upload here: the object appears
+            if self.staged:
+                storage.fs.mv(storage._full(self.target), storage._full(self.name))
+        except OSError as exc:
+            self.abort()
+            raise storage._err(exc, "replace", self.name) from exc
+        finally:
+            storage.fs.invalidate_cache(storage.path)
+        return self.written
+
+    def abort(self) -> None:
+        storage = self.storage
+        if not getattr(self.file, "closed", True):
+            storage._discard(self.file, storage._full(self.target))
+        if self.staged:
+            try:
+                storage.fs.rm_file(storage._full(self.target))
+            except Exception:  # noqa: BLE001 - cleanup; the next replacement removes leftovers
+                pass

@@ -26,6 +26,8 @@ its AdamW state after one step). Sections (``--sections``, default all):
   tiered    local tier + S3 vs straight to S3: time blocked, time to durability
   nodes     2 simulated nodes x 2 ranks: straight to the durable root (a local folder, S3) vs
             node-local (+ peer replica) + durable: time blocked, time to durability (``nodes_bench.py``)
+  cli       the safeckpt command from a shell: ls, show and verify of a 10-checkpoint root, each
+            a fresh process, against --help (``cli_bench.py``)
 Writes benchmarks/results/run_all.json, run_all.md and chart.png (``--quick``: under
 results/quick/), and prints Markdown tables ready for the README, ending with the targets.
 """
@@ -51,7 +53,8 @@ from common import (HERE, MiB, cpu_snapshot, default_dir, filesystem_of, flatten
                     other_cpu_share, setup_dcp, source_fingerprint, state_nbytes, versions, busy_note,
                     freeze_heap)
 
-SECTIONS = ["saveload", "async", "checksum", "rss", "dist", "dcp", "gpu", "s3", "incremental", "tiered", "nodes"]
+SECTIONS = ["saveload", "async", "checksum", "rss", "dist", "dcp", "gpu", "s3", "incremental", "tiered", "nodes",
+            "cli"]
 SECONDARY_LOADERS = {"safeckpt.load_state", "torch.load(mmap=True)"}
 
 
@@ -180,6 +183,12 @@ def compute_targets(res: dict) -> list[dict]:
         direct, local = tier["straight to S3"], tier["local tier + S3"]
         rows.append(_t("local tier: training blocked ≤ 0.5× straight to S3", "large fp32", "≤ 0.50×",
                        local["blocked_s"] / direct["blocked_s"], "<=", 0.5, "×", "blocked s ÷ straight-to-S3 s"))
+    if res.get("cli"):
+        from cli_bench import LS_TARGET_S, N_CHECKPOINTS, ls_seconds
+
+        rows.append(_t(f"safeckpt ls of a {N_CHECKPOINTS}-checkpoint root < {LS_TARGET_S} s (issue 28)", "cli",
+                       f"< {LS_TARGET_S} s", ls_seconds(res["cli"]), "<=", LS_TARGET_S, " s",
+                       "median wall time of a fresh process", best=ls_seconds(res["cli"], "min_s")))
     for key, r in rss.items():
         if key.startswith("safeckpt.save") and "extra_bytes" in r:
             rows.append(_t("peak extra RSS of a sync save < 256 MiB", f"large fp32 {r['state_bytes'] / MiB:,.0f} MiB",
@@ -272,6 +281,10 @@ def report(res: dict) -> str:
         out.append(tiered_table(res["tiered"]))
     if res.get("nodes"):
         out.append(nodes_table(res["nodes"]))
+    if res.get("cli"):
+        from cli_bench import cli_table
+
+        out.append(cli_table(res["cli"]))
     out.append(targets_table(res["targets"]))
     return "\n".join(out)
 
@@ -317,7 +330,7 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix=".safeckpt-bench-", dir=base))
     can_drop = [True]
     res: dict = {"config": c, "saveload": {}, "async": {}, "checksum": {}, "rss": {}, "dist": {}, "dcp": {},
-                 "gpu": [], "s3": {}, "incremental": {}, "tiered": {}, "nodes": {}}
+                 "gpu": [], "s3": {}, "incremental": {}, "tiered": {}, "nodes": {}, "cli": {}}
     timing: dict[str, dict] = {}
 
     def section(name: str):
@@ -412,6 +425,11 @@ def main() -> int:
 
             with section("nodes"):
                 res["nodes"] = run_nodes(c["nodes_mib"], c["nodes_saves"], workdir)
+        if "cli" in sections:
+            from cli_bench import run_cli
+
+            with section("cli"):
+                res["cli"] = run_cli(max(c["repeat"], 3), workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     for rec in timing.values():

@@ -4,7 +4,6 @@ a fault-injecting wrapper, and S3 on real moto and SeaweedFS servers."""
 
 from __future__ import annotations
 
-import tempfile
 import uuid
 
 import pytest
@@ -44,8 +43,12 @@ class TestMemoryObjectStore(StorageTests):
 
 
 class TestFaultyWrapper(StorageTests):
+    @pytest.fixture(autouse=True)
+    def _folder(self, tmp_path):
+        self.folder = tmp_path
+
     def make_storage(self):
-        return FaultyStorage(LocalStorage(tempfile.mkdtemp(prefix="safeckpt-conf-")))
+        return FaultyStorage(LocalStorage(self.folder / uuid.uuid4().hex))
 
 
 class TestFsspecMemory(StorageTests):

@@ -167,3 +167,40 @@ def test_listing_ls_and_verify_name_every_state_alike(tmp_path, capsys):
     for c in listed:
         assert c.state.label in out
     assert "1 committed, 1 torn, 1 corrupt, 1 newer format, 1 empty, 1 retired" in out
+
+
+def test_ls_show_and_verify_read_checkpoints_without_torch(tmp_path):
+    """``safeckpt ls``, ``show``, ``verify`` and ``gc`` decode and check manifests and
+    data without importing torch (seconds on every call), dtypes, devices and sizes among
+    the values included (``show`` imports torch only to display such a value); a folder of
+    sealed files too."""
+    model = torch.nn.Linear(3, 2)
+    state = {"model": model, "optim": torch.optim.AdamW(model.parameters()), "step": 3}
+    safeckpt.save(state, tmp_path / "run" / "step-000000003", step=3, metadata={"lr": (0.1, float("nan"))})
+    safeckpt.save({**state, "dtype": torch.bfloat16, "device": torch.device("cpu"), "size": torch.Size([2, 3])},
+                  tmp_path / "run" / "step-000000004", step=4)
+    sealed = tmp_path / "sealed"
+    sealed.mkdir()
+    (sealed / "trainer_state.json").write_text("{}")
+    safeckpt.seal(sealed)
+    commands = [["ls", str(tmp_path / "run")], ["ls", str(tmp_path / "run"), "--json"],
+                ["show", str(tmp_path / "run" / "step-000000003")],
+                ["show", str(tmp_path / "run" / "step-000000003"), "--json"], ["show", str(sealed)],
+                ["verify", str(tmp_path / "run"), str(sealed)], ["gc", str(tmp_path / "run"), "--dry-run"]]
+    code = ("import sys\nfrom safeckpt.cli import main\n"
+            f"for args in {commands!r}:\n    assert main(args) == 0, args\n"
+            "print('torch' in sys.modules, file=sys.stderr)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert p.stderr.splitlines()[-1] == "False", p.stderr
+    assert "2 committed" in p.stdout and "(0.1, nan)" in p.stdout and "0.999" in p.stdout, p.stdout
+    assert "checked 3 checkpoint folder(s)" in p.stdout and "every checksum matches" in p.stdout, p.stdout
+
+
+def test_the_dtype_table_is_the_installed_torchs():
+    """Manifests are decoded with ``format.dtypes.ITEMSIZES`` (no torch): it must name
+    every storable dtype of the installed torch with its item size."""
+    from safeckpt.format.dtypes import ITEMSIZES, torch_dtypes
+
+    have = {name: d.itemsize for name, d in torch_dtypes().items()}
+    assert {n: s for n, s in ITEMSIZES.items() if n in have} == {n: have[n] for n in ITEMSIZES if n in have}
+    assert not set(have) - set(ITEMSIZES), f"add to format/dtypes.py ITEMSIZES: {sorted(set(have) - set(ITEMSIZES))}"

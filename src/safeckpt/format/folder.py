@@ -129,8 +129,8 @@ def read_committed(storage: Storage, listing: dict[str, int | None] | None = Non
         listing = storage.listdir()
     seqs = manifest_seqs(listing)
     if not seqs:
-        what = ("it is a file, not a checkpoint folder" if _is_file(storage) else "the folder is empty or missing") \
-            if not listing else "it has no manifest (a save that never committed, or not a safeckpt checkpoint)"
+        what = _nothing_listed(storage) if not listing else \
+            "it has no manifest (a save that never committed, or not a safeckpt checkpoint)"
         raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: {what}")
     problems = []
     for seq, name in seqs:
@@ -152,13 +152,20 @@ def read_committed(storage: Storage, listing: dict[str, int | None] | None = Non
     raise CorruptCheckpointError(f"no valid manifest in {storage.url}: " + "; ".join(problems))
 
 
-def _is_file(storage: Storage) -> bool:
-    """Whether the path names a file (``load_state("trainer.pt")``): its parent lists it
-    with a size. Asked only when the folder lists empty, on any backend."""
+_ABSENT = object()
+
+
+def _nothing_listed(storage: Storage) -> str:
+    """Why a path lists nothing, in words: it names a file (``load_state("trainer.pt")``),
+    an empty folder, or nothing at all, as its parent's listing says (on an object store
+    an empty folder does not exist). Asked only to word an error, on any backend."""
     try:
-        return storage.parent().listdir().get(storage.url.rstrip("/").rpartition("/")[2]) is not None
+        found = storage.parent().listdir().get(storage.url.rstrip("/").rpartition("/")[2], _ABSENT)
     except Exception:  # noqa: BLE001 - only to choose the words of an error
-        return False
+        return "the folder is empty or missing"
+    if found is _ABSENT:
+        return "there is no such folder"
+    return "the folder is empty" if found is None else "it is a file, not a checkpoint folder"
 
 
 def retire(storage: Storage, keep: Manifest | None, spare: "set[str] | frozenset[str]" = frozenset()) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any
 
-from . import codec
+from .tree import check_tree, child_key, decode_value, items_of, tag_of
 from .checksum import ALGORITHM, BLOCK_SIZE, checksum, is_checksum
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from .names import MANIFEST_RE, is_shared, manifest_name, manifest_seq, root_path, shared_location, step_of  # noqa: F401
@@ -24,7 +24,7 @@ from .records import Chunk, FileEntry, TensorEntry  # noqa: F401 - the manifest'
 from .compact import TableEntry, TensorTable, decode_table, from_entries, tie_error
 from . import transformed as stored_as
 from .plan import PlanError, check_coverage
-from .tensors import dtype_from_name, is_shape
+from .dtypes import is_shape, itemsize_of
 
 FORMAT_VERSION = 4  # 2: incremental manifests (files of sibling checkpoints, xxh3_128 chunks); 3: tensor tables;
 # 4: tensors stored through stream transforms (``transformed``)
@@ -123,7 +123,9 @@ def _no_tensors(key: str, t: Any) -> Any:
 
 def encode_values(values: dict[str, Any], what: str) -> Any:
     """Metadata and metrics go through the restricted codec (nan, tuples, int keys)."""
-    return codec.encode(values, what, _no_tensors, lambda k, v: v, allow_pickle=False)
+    from .codec import encode  # imports torch, which decoding a manifest never needs
+
+    return encode(values, what, _no_tensors, lambda k, v: v, allow_pickle=False)
 
 
 def encode_manifest(m: Manifest) -> bytes:
@@ -260,7 +262,7 @@ def _decode_tensors(saved: Any, files: dict[str, FileEntry], block: int, where: 
         dtype, shape = t["dtype"], t["shape"]
         itemsize = itemsizes.get(dtype) if type(dtype) is str else None
         if itemsize is None:
-            itemsize = itemsizes[dtype] = dtype_from_name(dtype, f"{where}: tensor {name!r}").itemsize
+            itemsize = itemsizes[dtype] = itemsize_of(dtype, f"{where}: tensor {name!r}")
         if not is_shape(shape, itemsize):
             raise CorruptCheckpointError(f"{where}: tensor {name!r}: bad shape {str(shape)[:100]}")
         chunks = [_decode_chunk(c, name, shape, itemsize, files, block, where) for c in t["chunks"]]
@@ -301,7 +303,7 @@ def _decode_body(body: dict, where: str, length: int) -> Manifest:
     _need(isinstance(body["save_id"], str) and _is_int(body["seq"], 1)
           and type(body["created"]) in (int, float), where, "bad save_id, seq or created")
     tree = body["tree"]
-    codec.check_tree(tree, where, tensors)
+    check_tree(tree, where, tensors)
     dcp = _decode_dcp(body["dcp"], where) if body.get("dcp") is not None else None
     if dcp is not None:
         dcp_nodes(dcp, tree, where)
@@ -329,11 +331,11 @@ MAPPING_TAGS = ("object", "$dict", "$odict")
 def children(node: Any, where: str) -> dict:
     """The children of a container node of a tree by key as DCP names path parts: a
     mapping's keys as strings, a list's or tuple's items by index."""
-    tag = codec.tag_of(node)
+    tag = tag_of(node)
     if tag in MAPPING_TAGS:
-        return {str(k): v for k, v in codec.items_of(node, where, False)}
+        return {str(k): v for k, v in items_of(node, where, False)}
     if tag in ("list", "$tuple"):
-        return dict(codec.items_of(node, where, False))
+        return dict(items_of(node, where, False))
     raise CorruptCheckpointError(f"{where}: expected a container")
 
 
@@ -352,7 +354,7 @@ def dcp_nodes(record: DcpRecord, tree: Any, where: str) -> dict[str, Any]:
             if part not in kids:
                 raise CorruptCheckpointError(f"{where}: dcp item {fqn!r}: its path {list(path)} is not in the tree")
             node = kids[part]
-        if codec.tag_of(node) == "$local" or (fqn in record.bytesio and not (
+        if tag_of(node) == "$local" or (fqn in record.bytesio and not (
                 isinstance(node, dict) and list(node) == ["$bytes"])):
             raise CorruptCheckpointError(f"{where}: dcp item {fqn!r} is listed as "
                                          f"{'an io.BytesIO' if fqn in record.bytesio else 'an item'}, but the tree "
@@ -363,7 +365,7 @@ def dcp_nodes(record: DcpRecord, tree: Any, where: str) -> dict[str, Any]:
 
 def decode_values(node: Any, what: str, where: str) -> dict[str, Any]:
     """Inverse of ``encode_values``; ``where`` names the manifest in errors."""
-    _need(codec.tag_of(node) in ("object", "$dict", "$odict"), where, f"{what} is not a mapping")
-    codec.check_tree(node, f"{where}: {what}", (), plain=True)
-    items = codec.items_of(node, what, allow_pickle=False)
-    return {k: codec.decode_value(v, codec.child_key(what, k)) for k, v in items}
+    _need(tag_of(node) in ("object", "$dict", "$odict"), where, f"{what} is not a mapping")
+    check_tree(node, f"{where}: {what}", (), plain=True)
+    items = items_of(node, what, allow_pickle=False)
+    return {k: decode_value(v, child_key(what, k)) for k, v in items}

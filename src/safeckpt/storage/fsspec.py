@@ -32,6 +32,7 @@ from typing import Any, Iterable
 
 from ..errors import StorageError
 from .base import Buffer, Replacement, Storage, is_replace_temp, replace_temp_name
+from .urls import install_hint, url_scheme
 
 try:
     import fsspec
@@ -139,12 +140,12 @@ class FsspecStorage(Storage):
                  **storage_options: Any) -> None:
         if fsspec is None:
             raise StorageError(f"cannot open {url}: the fsspec backend needs fsspec "
-                               "(pip install 'safeckpt[s3]')")
+                               f"({install_hint(url_scheme(url or ''))})")
         if fs is None:
             try:
                 fs, path = fsspec.core.url_to_fs(url, **storage_options)
             except ImportError as exc:
-                raise StorageError(f"cannot open {url}: {exc} (for s3:// install 'safeckpt[s3]')") from exc
+                raise StorageError(f"cannot open {url}: {exc} ({install_hint(url_scheme(url or ''))})") from exc
             except (ValueError, TypeError) as exc:
                 raise StorageError(f"cannot open {url}: {exc}") from exc
         self.fs = fs

@@ -1,7 +1,14 @@
 """Object stores and other fsspec filesystems (``gs://``, ``az://``, ``memory://``, ...).
 
-Nothing here renames: every file is one object written once under its final name,
-with fsspec's ``"xb"`` mode where the backend accepts it. S3 has a class of its own
+Nothing here renames: every file is one object written once under its final name. A
+file that fits in one part is created by one request that carries the create-only
+condition (fsspec's ``pipe_file(..., mode="create")``: ``ifGenerationMatch=0`` on GCS,
+``If-None-Match: *`` on Azure); a larger one is streamed with fsspec's ``"xb"`` mode,
+where the condition rides on the upload's completion (GCS's resumable uploads: enforced
+by GCS, not by every emulator; Azure's block list commit). Exclusive create is claimed
+for the filesystems that send such a condition (``CONDITIONAL_CREATE_PROTOCOLS``, each
+tested against an emulator that enforces it), not for the rest (``memory://`` checks,
+then creates). S3 has a class of its own
 (``s3.S3Storage``) that calls the S3 API directly, so that each guarantee is explicit
 rather than left to s3fs's file layer:
 
@@ -25,10 +32,12 @@ The error translation (``object_store_error``) is shared by both.
 from __future__ import annotations
 
 import errno
-from typing import Any, Iterable
+import itertools
+from typing import Any, Iterable, Iterator
 
 from ..errors import StorageError
 from .base import Buffer, Storage
+from .urls import url_scheme
 
 try:
     import fsspec
@@ -37,6 +46,9 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 
 #: fsspec protocols whose folders are implicit (prefixes): ``remove_folder`` is a no-op
 OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"}
+#: fsspec protocols whose filesystem makes a create conditional, so that the store refuses
+#: it when the name exists (gcsfs and adlfs); a race of creates has exactly one winner
+CONDITIONAL_CREATE_PROTOCOLS = {"gs", "gcs", "az", "abfs", "abfss"}
 PART_SIZE = 64 << 20  # multipart part size; S3 needs at least 5 MiB for all but the last
 MAX_PARTS = 10_000
 PARALLEL_PARTS = 4  # parts in flight at once (memory: about (PARALLEL_PARTS + 1) * PART_SIZE)
@@ -125,9 +137,8 @@ class FsspecStorage(Storage):
 
     atomic_write = True  # an object appears whole, on the completion of its PUT
     merge_reads_below = 32 << 20  # a ranged GET costs a round trip: fetch neighbours together
-    # fsspec's "xb" is at best check-then-create (memory://) or unverified (gcsfs, adlfs):
-    # a create is refused when the name exists, but two racing writers are not provably
-    # kept apart
+    # claimed per filesystem (``CONDITIONAL_CREATE_PROTOCOLS``): elsewhere a create is
+    # refused when the name exists, but two racing writers are not kept apart
     exclusive_create = False
 
     def __init__(self, url: str | None = None, *, fs: Any = None, path: str | None = None,
@@ -146,11 +157,13 @@ class FsspecStorage(Storage):
         self.fs = fs
         self.path = (path or "").rstrip("/")
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-        self.protocol = protocols[0]
+        scheme = url_scheme(url or "")
+        self.protocol = scheme if scheme in protocols else protocols[0]  # az://, not abfs://
         self.object_store = bool(OBJECT_STORE_PROTOCOLS.intersection(protocols))
+        self.exclusive_create = type(self).exclusive_create or bool(CONDITIONAL_CREATE_PROTOCOLS.intersection(protocols))
         self.part_size = int(part_size)
         self.parallel_parts = max(1, int(parallel_parts))
-        self.url = fs.unstrip_protocol(self.path) if self.path else f"{self.protocol}://"
+        self.url = self._url(self.path)
         self.endpoint = getattr(fs, "endpoint_url", None)
         if not self.object_store:
             # memory:// (and local-like filesystems) show a file from the moment it is
@@ -168,8 +181,15 @@ class FsspecStorage(Storage):
         sub = object.__new__(type(self))
         sub.__dict__.update(self.__dict__)
         sub.path = path
-        sub.url = self.fs.unstrip_protocol(path) if path else f"{self.protocol}://"
+        sub.url = self._url(path)
         return sub
+
+    def _url(self, path: str) -> str:
+        """The URL of ``path``, in the scheme the storage was opened with."""
+        if not path:
+            return f"{self.protocol}://"
+        url = self.fs.unstrip_protocol(path)
+        return f"{self.protocol}://{url.split('://', 1)[1]}" if "://" in url else url
 
     def _full(self, name: str) -> str:
         return f"{self.path}/{name}" if self.path else name
@@ -182,31 +202,70 @@ class FsspecStorage(Storage):
 
     # -- writing -------------------------------------------------------------------------
     def write_file(self, name: str, parts: Iterable[Buffer]) -> int:
+        """One conditional request when the data fits in one part, else a stream."""
+        pieces = self._pieces(parts)
+        first = next(pieces, b"")
+        second = next(pieces, None)
         path = self._full(name)
-        written = 0
         try:
-            try:
-                f = self.fs.open(path, "xb", block_size=self.part_size)
-            except (ValueError, NotImplementedError):  # the backend has no create-only mode
-                if self.fs.exists(path):
-                    raise FileExistsError(errno.EEXIST, "file exists", self._where(name)) from None
-                f = self.fs.open(path, "wb", block_size=self.part_size)
-            try:
-                for part in parts:
-                    view = bytes_view(part)
-                    f.write(view)
-                    written += len(view)
-            except BaseException:
-                self._discard(f, path)
-                raise
-            f.close()  # the upload completes (the object appears) here
+            if second is None:
+                self.fs.pipe_file(path, first, mode="create")
+                return len(first)
+            return self._stream(path, name, itertools.chain([first, second], pieces))
         except FileExistsError:
             raise
         except OSError as exc:
             if is_precondition_failed(exc):
                 raise FileExistsError(errno.EEXIST, "file exists", self._where(name)) from exc
             raise self._err(exc, "write", name) from exc
+        finally:
+            self.fs.invalidate_cache(self.path)
+
+    def _stream(self, path: str, name: str, pieces: Iterator[bytes]) -> int:
+        """Write a file of several parts through fsspec's create-only mode."""
+        written = 0
+        try:
+            f = self.fs.open(path, "xb", block_size=self.part_size)
+        except (ValueError, NotImplementedError):  # the backend has no create-only mode
+            if self.fs.exists(path):
+                raise FileExistsError(errno.EEXIST, "file exists", self._where(name)) from None
+            f = self.fs.open(path, "wb", block_size=self.part_size)
+        try:
+            for piece in pieces:
+                f.write(piece)
+                written += len(piece)
+        except BaseException:
+            self._discard(f, path)
+            raise
+        f.close()  # the upload completes (the object appears) here
         return written
+
+    def _pieces(self, parts: Iterable[Buffer]) -> Iterator[bytes]:
+        """Cut the stream into parts of ``part_size`` as it comes (at most one part is
+        buffered; a large tensor is sliced, one copy). Parts grow past 2,000 so that a
+        file never needs more than ``MAX_PARTS``; the last one may be smaller."""
+        count = 0
+        buf = bytearray()
+
+        def size() -> int:
+            return self.part_size << min(count // 2000, 4)
+
+        for part in parts:
+            view = bytes_view(part)
+            while view:
+                if not buf and len(view) >= size():
+                    piece, view = bytes(view[:size()]), view[size():]
+                else:
+                    want = size() - len(buf)
+                    buf += view[:want]
+                    view = view[want:]
+                    if len(buf) < size():
+                        continue
+                    piece, buf = bytes(buf), bytearray()
+                count += 1
+                yield piece
+        if buf or count == 0:
+            yield bytes(buf)
 
     def _discard(self, f: Any, path: str) -> None:
         """Abandon a file being written: nothing may appear under its name. fsspec's

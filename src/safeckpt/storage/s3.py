@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator
 
 from ..errors import StorageError
 from .base import Buffer
-from .fsspec import (MAX_PARTS, PARALLEL_PARTS, PART_SIZE, WRITE_TOKEN, FsspecStorage, bytes_view, is_backend_error, is_definite, is_precondition_failed)
+from .fsspec import (MAX_PARTS, PARALLEL_PARTS, PART_SIZE, WRITE_TOKEN, FsspecStorage, is_backend_error, is_definite, is_precondition_failed)
 
 MIN_PART_SIZE = 5 << 20  # S3 refuses smaller parts (but the last)
 
@@ -146,33 +146,6 @@ class S3Storage(FsspecStorage):
         finally:
             pool.shutdown(wait=True)
             self.fs.invalidate_cache(self._full(name))
-
-    def _pieces(self, parts: Iterable[Buffer]) -> Iterator[bytes]:
-        """Cut the stream into parts of ``part_size`` as it comes (at most one part is
-        buffered; a large tensor is sliced, one copy). Parts grow past 2,000 so that a
-        file never needs more than ``MAX_PARTS``; the last one may be smaller."""
-        count = 0
-        buf = bytearray()
-
-        def size() -> int:
-            return self.part_size << min(count // 2000, 4)
-
-        for part in parts:
-            view = bytes_view(part)
-            while view:
-                if not buf and len(view) >= size():
-                    piece, view = bytes(view[:size()]), view[size():]
-                else:
-                    want = size() - len(buf)
-                    buf += view[:want]
-                    view = view[want:]
-                    if len(buf) < size():
-                        continue
-                    piece, buf = bytes(buf), bytearray()
-                count += 1
-                yield piece
-        if buf or count == 0:
-            yield bytes(buf)
 
     def _complete(self, name: str, key: str, upload_id: str, parts: list[dict], token: str) -> None:
         try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -20,6 +19,7 @@ from dataclasses import asdict, dataclass
 from ..errors import WeakStorageWarning, warn
 from ..errors import CheckpointExistsError
 from ..format.names import LEASE_RE, lease_name
+from ..protocol.leftovers import THIS_HOST, process_alive
 from ..storage import Storage
 
 
@@ -36,15 +36,7 @@ class Holder:
 
     def alive_here(self) -> bool:
         """True when the holder is another process on this host that is still running."""
-        if self.host != socket.gethostname() or self.pid == os.getpid():
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return self.pid != os.getpid() and process_alive(self.host, self.pid) is True
 
 
 class WriterLease:
@@ -52,7 +44,7 @@ class WriterLease:
 
     def __init__(self, storage: Storage, run_id: str) -> None:
         self.storage = storage
-        self.me = Holder(run_id, socket.gethostname(), os.getpid(), uuid.uuid4().hex, time.time())
+        self.me = Holder(run_id, THIS_HOST, os.getpid(), uuid.uuid4().hex, time.time())
         self.epoch: int | None = None
 
     def current(self) -> tuple[int, Holder | None]:

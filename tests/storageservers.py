@@ -149,7 +149,8 @@ class BucketMount:
         fs = self.server.fs()
         fs.invalidate_cache()
         keys = fs.find(f"{self.bucket}/{prefix}".rstrip("/"), detail=True)
-        return {k[len(self.bucket) + 1:]: int(v["size"]) for k, v in keys.items() if v.get("type") != "directory"}
+        return {k[len(self.bucket) + 1:]: int(v["size"]) for k, v in keys.items()
+                if v.get("type") != "directory" and not k.endswith("/")}  # s3fs's folder markers
 
 
 def _fuse_command(kind: str, server: S3Server, bucket: str, mnt: Path, base: Path) -> tuple[list[str], dict]:
@@ -160,7 +161,7 @@ def _fuse_command(kind: str, server: S3Server, bucket: str, mnt: Path, base: Pat
                    RCLONE_CONFIG_SAFECKPT_ACCESS_KEY_ID=server.key,
                    RCLONE_CONFIG_SAFECKPT_SECRET_ACCESS_KEY=server.secret, RCLONE_CONFIG=str(base / "none.conf"))
         return ["rclone", "mount", f"safeckpt:{bucket}", str(mnt), "--vfs-cache-mode", kind.split("-", 1)[1],
-                "--cache-dir", str(base / "cache"), "--log-level", "ERROR"], env
+                "--cache-dir", str(base / "cache"), "--vfs-write-back", "2s", "--log-level", "ERROR"], env
     secrets = base / "passwd"
     secrets.write_text(f"{server.key}:{server.secret}\n")
     secrets.chmod(0o600)

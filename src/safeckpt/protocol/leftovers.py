@@ -2,13 +2,14 @@
 still be running: the one rule that garbage collection, the writer lease and a save
 clearing its folder (``clear_aborted``) all apply.
 
-A data file names its writer (``safeckpt_writer``, ``<pid>@<host>``, in its safetensors
-metadata). A writer on this host (same host name and process namespace) is alive while
-its process runs -- this process counts as alive, since a save of its own that failed
-removed its files itself. A writer on another host, or one whose file is too short to
-name it (a save killed at once, or written by an older safeckpt), may be running until
-its save id (which starts with the unix time the save began) is ``min_age_s`` old. Ages
-come from save ids, never from file times, which FUSE mounts get wrong.
+A save may be running until its save id (which starts with the unix time the save
+began) is ``min_age_s`` old -- garbage collection's rule -- unless its writer is known
+to be dead -- the writer lease's rule: a data file names its writer (``safeckpt_writer``,
+``<pid>@<host>``, in its safetensors metadata), and a writer on this host (same host name
+and process namespace) whose process is gone is dead. A writer on another host, or a
+file too short to name one (a save killed at once, or written by an older safeckpt),
+cannot be asked. Ages come from save ids, never from file times, which FUSE mounts get
+wrong.
 """
 
 from __future__ import annotations
@@ -97,11 +98,10 @@ def read_writer(folder: Storage, name: str) -> tuple[str, int] | None:
 def save_may_run(folder: Storage, name: str, save_id: str, min_age_s: float | None, now: float) -> bool:
     """Whether the save that wrote the data file ``name`` may still be running (see the
     module docstring); with ``min_age_s`` None no save is (the caller knows)."""
-    if min_age_s is None:
+    if min_age_s is None or save_id_age(save_id, now) >= min_age_s:
         return False
     writer = read_writer(folder, name)
-    alive = None if writer is None else process_alive(*writer)
-    return alive if alive is not None else save_id_age(save_id, now) < min_age_s
+    return writer is None or process_alive(*writer) is not False
 
 
 def clear_aborted(folder: Storage, committed: Manifest | None, min_age_s: float | None = ABANDONED_AFTER_S,

@@ -3,9 +3,9 @@
 Only names safeckpt writes (``data-<save_id>-rNNNNN.safetensors`` and
 ``manifest-NNNNNN.json`` inside ``step-NNNNNNNNN`` folders) are ever considered;
 anything else in the root is left alone. With ``min_age_s``, a save that may still be
-running is left alone: one whose writer runs on this host, or, when its writer is on
-another host or unknown, one younger than ``min_age_s`` by the time its save id records
-(never by file mtimes, which FUSE mounts get wrong); ``protocol.leftovers`` has the rule.
+running is left alone: one younger than ``min_age_s`` by the time its save id records
+(never by file mtimes, which FUSE mounts get wrong), unless its writer was on this host
+and its process is gone; ``protocol.leftovers`` has the rule.
 
 Incremental checkpoints read data files of older sibling checkpoints, so collection is
 by reachability: a data file stays while any committed checkpoint in the root names it.

@@ -84,8 +84,9 @@ def exercise(root: Path) -> None:
 
 @pytest.fixture(params=DISKS)
 def disk(request, tmp_path):
-    """A fresh 40 MB filesystem of each kind on a loop device."""
-    with loop_filesystem(request.param, 40, tmp_path / request.param) as mnt:
+    """A fresh 128 MB filesystem of each kind on a loop device (room for the kill loop's
+    calibration saves beside its checkpoint)."""
+    with loop_filesystem(request.param, 128, tmp_path / request.param) as mnt:
         yield mnt
 
 

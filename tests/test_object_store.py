@@ -245,6 +245,13 @@ def test_manager_on_a_storage_object_keeps_its_options(store):
     assert_state(state, 2)
 
 
+@pytest.mark.slow
+def test_dcp_writer_and_reader(store):
+    from test_real_filesystems import dcp_round_trip
+
+    dcp_round_trip(store.url("dcp"), store.options)
+
+
 # -- object-store traps, on the real servers ---------------------------------------------
 def _race(store: Store, name: str, writers: int) -> tuple[list[int], list[BaseException], "FsspecStorage"]:
     storage = store.storage("race")

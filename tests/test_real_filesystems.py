@@ -221,32 +221,37 @@ def test_kills_during_overwrites_on_a_bucket_mount(fork_server, tmp_path, durabl
     assert_in_bucket(durable_mount, "one")
 
 
-def _dcp_round_trip(path: Path) -> None:
+def dcp_round_trip(path: "Path | str", storage_options: dict | None = None) -> None:
+    """``torch.distributed.checkpoint`` through ``safeckpt.dcp`` at ``path``: saved twice
+    (the second replaces the first), loaded back exactly, verified."""
     import torch.distributed.checkpoint as dcp
 
     import safeckpt.dcp
 
-    state = {"model": {"w": torch.randn(64, 8), "b": torch.arange(8)}}
+    options = storage_options or {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.save(state, storage_writer=safeckpt.dcp.Writer(path))
+        for seed in (1, 2):
+            state = {"model": {"w": torch.randn(64, 8, generator=torch.Generator().manual_seed(seed)),
+                               "b": torch.arange(8) + seed}}
+            dcp.save(state, storage_writer=safeckpt.dcp.Writer(path, storage_options=options))
         target = {"model": {"w": torch.zeros(64, 8), "b": torch.zeros(8, dtype=torch.int64)}}
-        dcp.load(target, storage_reader=safeckpt.dcp.Reader(path))
+        dcp.load(target, storage_reader=safeckpt.dcp.Reader(path, storage_options=options))
     assert torch.equal(target["model"]["w"], state["model"]["w"]) and torch.equal(target["model"]["b"],
                                                                                    state["model"]["b"])
-    assert safeckpt.verify(path).ok
+    assert safeckpt.verify(path, storage_options=options).ok
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("disk", DISKS, indirect=True)
 def test_dcp_on_a_disk(disk):
-    _dcp_round_trip(disk / "dcp")
+    dcp_round_trip(disk / "dcp")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("durable_mount", DURABLE, indirect=True)
 def test_dcp_on_a_bucket_mount(durable_mount):
-    _dcp_round_trip(durable_mount.path / "dcp")
+    dcp_round_trip(durable_mount.path / "dcp")
     assert_in_bucket(durable_mount, "dcp")
 
 

@@ -6,8 +6,10 @@
    ``safeckpt.dcp.Writer`` / ``Reader`` (NCCL for the training, a separate gloo group for
    ``dcp.async_save``), checked bit for bit against the state before the save;
 2. the Hugging Face ``SafeTrainer`` with Accelerate's FSDP plugin (FSDP2) on a tiny GPT-2
-   built from a config: trains 4 steps saving every 2, then a second trainer from another
-   random model resumes from ``checkpoint-2`` and must end with the same weights.
+   built from a config, in each checkpoint layout (the Trainer's own FSDP files, sealed;
+   safeckpt's sharded data file): trains 4 steps saving every 2, then a second trainer
+   from another random model resumes from ``checkpoint-2`` and must end with the same
+   weights.
 
 Prints one line per check and exits 1 if any fails.
 """
@@ -71,7 +73,7 @@ def check_dcp(folder: str) -> bool:
     return ok
 
 
-def check_trainer(folder: str) -> bool:
+def check_trainer(folder: str, layout: str) -> bool:
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
     from safeckpt.integrations.transformers import SafeTrainer
@@ -87,17 +89,17 @@ def check_trainer(folder: str) -> bool:
     def trainer(seed: int, steps: int) -> SafeTrainer:
         torch.manual_seed(seed)
         model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=16))
-        args = TrainingArguments(output_dir=folder + "/trainer", max_steps=steps, save_steps=2,
+        args = TrainingArguments(output_dir=f"{folder}/trainer-{layout}", max_steps=steps, save_steps=2,
                                  per_device_train_batch_size=4, report_to=[], seed=seed, data_seed=0,
                                  fsdp="full_shard", fsdp_config={"fsdp_version": 2})
-        return SafeTrainer(model=model, args=args, train_dataset=Tokens())
+        return SafeTrainer(model=model, args=args, train_dataset=Tokens(), checkpoint_layout=layout)
 
     first = trainer(0, 4)
     first.train()
     reference = {k: v.full_tensor().cpu() if hasattr(v, "full_tensor") else v.cpu()
                  for k, v in first.model.state_dict().items()}
     second = trainer(1, 4)
-    second.train(resume_from_checkpoint=folder + "/trainer/checkpoint-2")
+    second.train(resume_from_checkpoint=f"{folder}/trainer-{layout}/checkpoint-2")
     got = {k: v.full_tensor().cpu() if hasattr(v, "full_tensor") else v.cpu()
            for k, v in second.model.state_dict().items()}
     return _same(got, reference)
@@ -113,8 +115,12 @@ def main() -> int:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("cpu:gloo,cuda:nccl")
     failed = 0
+    from functools import partial
     for name, check in (("dcp save/async_save/load, FSDP2 on CUDA", check_dcp),
-                        ("SafeTrainer with FSDP2, resume", check_trainer)):
+                        ("SafeTrainer with FSDP2 (the Trainer's files, sealed), resume",
+                         partial(check_trainer, layout="trainer")),
+                        ("SafeTrainer with FSDP2 (checkpoint_layout='safeckpt'), resume",
+                         partial(check_trainer, layout="safeckpt"))):
         ok = check(args.dir)
         failed += not ok
         if dist.get_rank() == 0:

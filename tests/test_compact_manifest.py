@@ -10,8 +10,12 @@ offset, a length that does not match, a shape that overflows, a truncated column
 from __future__ import annotations
 
 import base64
+import binascii
 import dataclasses
+import functools
 import json
+import time
+import tracemalloc
 import zlib
 from pathlib import Path
 from typing import Any, Callable
@@ -22,8 +26,11 @@ import torch
 
 import safeckpt
 from safeckpt.format.compact import TensorTable, pack
+from safeckpt.format.folder import read_committed
 from safeckpt.format.manifest import decode_manifest, editable, encode_manifest, frame
 from safeckpt.format.plan import overlap
+from safeckpt.format.tensors import dtype_from_name
+from safeckpt.storage import open as open_storage
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.uint8, torch.complex64,
           torch.float8_e4m3fn, torch.int8, torch.float64]
@@ -48,6 +55,9 @@ def _write_body(ckpt: Path, body: dict) -> Path:
 def _column(body: dict, name: str) -> np.ndarray:
     raw = body["tensors"]["columns"][name]
     return np.frombuffer(zlib.decompress(base64.b64decode(raw)), dtype="<i8").copy()
+
+
+_COLUMNS = ["dtype", "ndim", "chunks", "tied", "shape", "file", "start", "length", "algorithm", "offsets", "box"]
 
 
 def mixed_state() -> dict:
@@ -247,44 +257,310 @@ def test_a_torn_format_3_manifest_is_not_a_commit(tmp_path):
     assert torch.equal(safeckpt.load_state(tmp_path / "c")["a"], torch.full((3,), 2.0))
 
 
+# --------------------------------------------------------------------------- memory bombs (issue 24, item 8)
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros(nbytes: int, tail: bytes = b"") -> str:
+    """A packed column of ``nbytes`` zero bytes (deflated ~1000:1), made without holding
+    them; ``tail``: bytes after the stream."""
+    z, piece = zlib.compressobj(9), bytes(min(nbytes, 1 << 20))
+    out = [z.compress(piece[:min(len(piece), nbytes - done)]) for done in range(0, nbytes, len(piece))]
+    return base64.b64encode(b"".join(out) + z.flush() + tail).decode()
+
+
+def _claim_chunks(n: int) -> Callable[[dict], None]:
+    """The first tensor (1-d) claims ``n`` chunks: every chunk column holds ``n`` zeros
+    (the issue's bomb)."""
+    def mutate(body: dict) -> None:
+        cols = body["tensors"]["columns"]
+        cols["chunks"] = pack(np.concatenate(([n], _column(body, "chunks")[1:])))
+        for k in ("file", "start", "length", "algorithm", "offsets", "box"):
+            cols[k] = _zeros(8 * n)
+    return mutate
+
+
+def _claim_dims(tensors: int) -> Callable[[dict], None]:
+    """``tensors`` tensors of 64 dimensions each and no chunks (zero elements): a shape
+    column of 64 values per name, deflated to nothing."""
+    def mutate(body: dict) -> None:
+        t = body["tensors"]
+        t["names"] = [f"{i:x}" for i in range(tensors)]
+        t["columns"].update(dtype=_zeros(8 * tensors), ndim=pack(np.full(tensors, 64)), chunks=_zeros(8 * tensors),
+                            tied=pack(np.full(tensors, -1)), shape=_zeros(512 * tensors),
+                            **{k: pack([]) for k in ("file", "start", "length", "algorithm", "offsets", "box")})
+        t["digests"] = ""
+        body["tree"] = {}
+    return mutate
+
+
+def _claim_boxes(chunks: int) -> Callable[[dict], None]:
+    """One tensor of 64 dimensions and zero elements in ``chunks`` empty chunks, each with
+    its digest: 128 box values per 8 digest bytes."""
+    def mutate(body: dict) -> None:
+        t = body["tensors"]
+        t["names"], t["dtypes"] = ["w"], ["float32"]
+        t["columns"].update(dtype=pack([0]), ndim=pack([64]), chunks=pack([chunks]), tied=pack([-1]),
+                            shape=pack(np.zeros(64)), file=_zeros(8 * chunks), start=_zeros(8 * chunks),
+                            length=_zeros(8 * chunks), algorithm=_zeros(8 * chunks), offsets=_zeros(512 * chunks),
+                            box=_zeros(512 * chunks))
+        t["digests"] = base64.b64encode(np.random.default_rng(0).bytes(8 * chunks)).decode()
+        body["tree"] = {"w": {"$tensor": "w"}}
+    return mutate
+
+
+def _bomb_in(column: str) -> Callable[[dict], None]:
+    """A zlib stream of 32 MB (deflated to 32 KB) where a small column belongs."""
+    return lambda body: body["tensors"]["columns"].__setitem__(column, _zeros(32_000_000))
+
+
+def _tail(column: str) -> Callable[[dict], None]:
+    """Bytes after a column's complete stream (which holds exactly its values)."""
+    def mutate(body: dict) -> None:
+        raw = zlib.compress(_column(body, column).tobytes())
+        body["tensors"]["columns"][column] = base64.b64encode(raw + b"\x00" * 8).decode()
+    return mutate
+
+
+BOMBS = {
+    "4 million chunks in a 255 KB manifest": _claim_chunks(4_000_000),
+    "64 dimensions for each of 40,000 tensors": _claim_dims(40_000),
+    "64-dimensional boxes for 20,000 chunks": _claim_boxes(20_000),
+    **{f"a zlib bomb in column {c!r}": _bomb_in(c) for c in _COLUMNS},
+    **{f"bytes after the stream of column {c!r}": _tail(c) for c in ("dtype", "start", "box")},
+}
+
+
+def _measured(call: Callable[[], Any]) -> tuple[Any, float, int]:
+    """What ``call`` returns (or the CheckpointError it raises), its seconds and the peak
+    of the memory it traced."""
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        try:
+            out = call()
+        except safeckpt.CheckpointError as exc:
+            out = exc
+    finally:
+        seconds = time.perf_counter() - started
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return out, seconds, peak
+
+
+@pytest.mark.parametrize("case", list(BOMBS))
+def test_a_manifest_claiming_more_than_it_holds_is_refused_in_bounded_memory(tmp_path, case):
+    """Every declared size (counts, column lengths, inflated sizes) is checked against
+    the manifest's own length before anything is inflated: a 255 KB manifest claiming 4
+    million chunks took 418 MB and 4.7 s before its CorruptCheckpointError, and any
+    ``steps()``, ``restore()`` or ``ls`` of its root as much. Now every path refuses it
+    with under 20 MB more and well under a second."""
+    root = tmp_path / "run"
+    ckpt = root / "step-000000001"
+    safeckpt.save({"b": torch.ones(2), "w": torch.arange(12.0).reshape(3, 4), "step": 7}, ckpt)
+    body = _body(ckpt)
+    BOMBS[case](body)
+    manifest = _write_body(ckpt, body)
+    assert manifest.stat().st_size < 400_000
+    mgr = safeckpt.CheckpointManager(root)
+    calls = {"load_state": lambda: safeckpt.load_state(ckpt), "verify": lambda: safeckpt.verify(ckpt),
+             "ls": lambda: safeckpt.list_checkpoints(root), "steps": mgr.steps}
+    outcomes = {name: _measured(call) for name, call in calls.items()}
+    mgr.close()
+    for name, (_, seconds, peak) in outcomes.items():
+        assert peak < 20 << 20, f"{name}: {peak / 2**20:.0f} MiB"
+        assert seconds < 1.0, f"{name}: {seconds:.2f} s"
+    refused, report, (row,), steps = (outcomes[k][0] for k in calls)
+    assert isinstance(refused, safeckpt.CorruptCheckpointError) and manifest.name in str(refused), refused
+    assert not report.ok and manifest.name in report.problems[0]
+    assert row.state is safeckpt.CheckpointState.CORRUPT and manifest.name in row.problem
+    assert steps == []
+
+
+def test_a_table_that_deflates_too_far_is_written_uncompressed_and_loads(tmp_path):
+    """What a reader accepts is bounded by the manifest's length, so a writer never
+    writes a table past that bound: 3,000 empty tensors of 64 dimensions (their shapes
+    and boxes deflate ~1000:1) are stored uncompressed and load back."""
+    state = {f"t{i}": torch.zeros([0] + [1] * 63) for i in range(3000)}
+    safeckpt.save(state, tmp_path / "c")
+    got = safeckpt.load_state(tmp_path / "c")
+    assert all(got[k].shape == v.shape for k, v in state.items())
+    body = _body(tmp_path / "c")
+    assert len(base64.b64decode(body["tensors"]["columns"]["box"])) > 8 * 64 * 3000  # stored, not deflated
+    safeckpt.save({"w": torch.ones(4, 4), "b": torch.ones(4)}, tmp_path / "d")  # a usual table stays deflated
+    body = _body(tmp_path / "d")
+    assert len(base64.b64decode(body["tensors"]["columns"]["box"])) < 8 * 3
+
+
 # --------------------------------------------------------------------------- fuzzing
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-_COLUMNS = ["dtype", "ndim", "chunks", "tied", "shape", "file", "start", "length", "algorithm", "offsets", "box"]
 _VALUES = st.one_of(st.integers(-3, 70), st.sampled_from([2**31, 2**62, 2**63 - 1, -2**63, 1 << 40]))
 
 
-@pytest.mark.timeout(120)
-@settings(max_examples=150, deadline=2000, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_fuzzed_tables_load_or_raise_a_checkpoint_error(ckpt, data):
-    """Any values in any columns (and columns cut or grown): a load or a CheckpointError."""
+def _fuzz_column(body: dict, data: st.DataObject) -> None:
+    """A column's values (counts, offsets, lengths, dtype and file indices, shapes, ties)
+    set out of range, the column cut or grown, its stream cut (its compressed length),
+    followed by bytes, replaced by a zlib bomb or by something that is no column."""
+    name = data.draw(st.sampled_from(_COLUMNS))
+    column = _column(body, name)
+    how = data.draw(st.sampled_from(["set", "set", "cut", "grow", "tail", "truncate", "bomb", "garble"]))
+    raw = zlib.compress(column.tobytes())
+    packed: Any = pack(column)
+    if how == "set" and len(column):
+        column[data.draw(st.integers(0, len(column) - 1))] = data.draw(_VALUES)
+        packed = pack(column)
+    elif how == "cut":
+        packed = pack(column[:data.draw(st.integers(0, len(column)))])
+    elif how == "grow":
+        packed = pack(np.append(column, data.draw(_VALUES)))
+    elif how == "tail":
+        packed = base64.b64encode(raw + data.draw(st.binary(min_size=1, max_size=9))).decode()
+    elif how == "truncate":
+        packed = base64.b64encode(raw[:data.draw(st.integers(0, len(raw) - 1))]).decode()
+    elif how == "bomb":
+        packed = _zeros(32_000_000)
+    elif how == "garble":
+        packed = data.draw(st.sampled_from(["", "!!", "AAAA", "eJw=", 3, None, ["x"]]))
+    body["tensors"]["columns"][name] = packed
+
+
+def _fuzz_tie(body: dict, data: st.DataObject) -> None:
+    """A tensor tied to any tensor (or untied): the tie column in range, values mismatched."""
+    tied = _column(body, "tied")
+    tied[data.draw(st.integers(0, len(tied) - 1))] = data.draw(st.integers(-1, len(tied) - 1))
+    body["tensors"]["columns"]["tied"] = pack(tied)
+
+
+def _fuzz_lists(body: dict, data: st.DataObject) -> None:
+    """The names, dtypes and algorithms tables: an entry changed, dropped or added."""
+    t = body["tensors"]
+    key = data.draw(st.sampled_from(["names", "dtypes", "algorithms"]))
+    values = {"names": st.sampled_from(["w", "tied", "x", "", 3]),
+              "dtypes": st.sampled_from(["float32", "int16", "int32", "uint8", "bool", "float64", "float99", "half"]),
+              "algorithms": st.sampled_from(["xxh3_64", "xxh3_128", "md5"])}[key]
+    entries = list(t[key])
+    how = data.draw(st.sampled_from(["set", "drop", "add"]))
+    if how == "set" and entries:
+        entries[data.draw(st.integers(0, len(entries) - 1))] = data.draw(values)
+    elif how == "drop" and entries:
+        entries.pop(data.draw(st.integers(0, len(entries) - 1)))
+    else:
+        entries.append(data.draw(values))
+    t[key] = entries
+
+
+def _fuzz_digests(body: dict, data: st.DataObject) -> None:
+    """The block checksums: a digest byte flipped, the digests cut, grown or garbled; or
+    the block size they are counted by changed."""
+    digests = bytearray(base64.b64decode(body["tensors"]["digests"]))
+    how = data.draw(st.sampled_from(["flip", "cut", "grow", "garble", "block"]))
+    if how == "flip":
+        digests[data.draw(st.integers(0, len(digests) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+    elif how == "cut":
+        del digests[data.draw(st.integers(0, len(digests) - 1)):]
+    elif how == "grow":
+        digests += data.draw(st.binary(min_size=1, max_size=40))
+    elif how == "block":
+        body["block_size"] = data.draw(st.sampled_from([1, 3, 8, 16, 64, 0, -1, 2**62]))
+    if how == "garble":
+        body["tensors"]["digests"] = data.draw(st.sampled_from(["$$", "", 7, None]))
+    else:
+        body["tensors"]["digests"] = base64.b64encode(bytes(digests)).decode()
+
+
+_FUZZERS = [_fuzz_column, _fuzz_column, _fuzz_column, _fuzz_tie, _fuzz_lists, _fuzz_digests]
+
+
+def _fuzz_state() -> dict:
+    w = torch.arange(40.0).reshape(5, 8)
+    return {"w": w, "tied": w, "h": torch.arange(6, dtype=torch.int16).reshape(2, 3), "b": torch.ones(5),
+            "e": torch.zeros(0, 3), "s": torch.tensor(-2, dtype=torch.int8), "flags": torch.tensor([True, False])}
+
+
+@pytest.fixture
+def fuzz_ckpt(tmp_path) -> Path:
+    """A format-3 checkpoint of every kind of entry: a tie, several dtypes, an empty and
+    a 0-d tensor, and tensors cut into several chunks (an incremental save: xxh3_128
+    digests, a block size of 64)."""
+    root = tmp_path / "run"
+    with safeckpt.CheckpointManager(root, incremental=True, chunk_size=64) as mgr:
+        mgr.save(1, _fuzz_state())
+    ckpt = root / "step-000000001"
+    assert len(decode_manifest(_manifest(ckpt).read_bytes(), "m").tensors["w"].chunks) == 3
+    return ckpt
+
+
+def _as_described(ckpt: Path, entry: Any) -> torch.Tensor:
+    """The bytes of a tensor as its manifest entry describes it (shape + [itemsize],
+    uint8): its chunks' bytes read from the files as they are and laid into their boxes,
+    independently of the reader under test."""
+    itemsize = dtype_from_name(entry.dtype, "test").itemsize
+    out = torch.zeros(entry.shape + [itemsize], dtype=torch.uint8)
+    for c in entry.chunks:
+        raw = (ckpt / c.file).read_bytes()[c.start:c.end]
+        if raw:
+            box = tuple(slice(o, o + n) for o, n in zip(c.offsets, c.shape))
+            out[box] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(c.shape + [itemsize])
+    return out
+
+
+def _same_bytes(got: torch.Tensor, entry: Any, want: torch.Tensor) -> bool:
+    return str(got.dtype) == f"torch.{entry.dtype}" and list(got.shape) == entry.shape and \
+        torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1))
+
+
+def _fuzz(ckpt: Path, data: st.DataObject) -> None:
+    """Craft 1 to 3 fields of the table out of range; then ``load_state`` returns every
+    tensor exactly as the manifest's own chunks hold it, or raises a
+    CorruptCheckpointError naming the manifest or a data file; ``verify`` says ok only
+    when that load succeeded (never for a mismatched tie); each in bounded memory."""
     path = _manifest(ckpt)
     original = path.read_bytes()
     body = _body(ckpt)
+    files = [f["name"] for f in body["files"]] + [path.name]
     try:
         for _ in range(data.draw(st.integers(1, 3))):
-            name = data.draw(st.sampled_from(_COLUMNS))
-            column = _column(body, name)
-            how = data.draw(st.sampled_from(["set", "cut", "grow"]))
-            if how == "set" and len(column):
-                column[data.draw(st.integers(0, len(column) - 1))] = data.draw(_VALUES)
-            elif how == "cut":
-                column = column[:data.draw(st.integers(0, len(column)))]
-            else:
-                column = np.append(column, data.draw(_VALUES))
-            body["tensors"]["columns"][name] = pack(column)
-        _write_body(ckpt, body)
-        for call in (lambda: safeckpt.load_state(ckpt), lambda: safeckpt.verify(ckpt)):
             try:
-                call()
-            except safeckpt.CheckpointError:
-                pass
+                data.draw(st.sampled_from(_FUZZERS))(body, data)
+            except (TypeError, ValueError, binascii.Error, zlib.error, AttributeError):
+                pass  # an earlier change garbled the field this one changes
+        _write_body(ckpt, body)
+        loaded, _, peak = _measured(lambda: safeckpt.load_state(ckpt))
+        assert peak < 20 << 20, f"load_state: {peak / 2**20:.0f} MiB"
+        if isinstance(loaded, BaseException):
+            assert isinstance(loaded, safeckpt.CorruptCheckpointError), repr(loaded)
+            assert any(f in str(loaded) for f in files), loaded
+        else:
+            m = read_committed(open_storage(ckpt))
+            for name, entry in m.tensors.items():
+                assert _same_bytes(loaded[name], entry, _as_described(ckpt, entry)), name
+        report, _, peak = _measured(lambda: safeckpt.verify(ckpt))
+        assert peak < 20 << 20, f"verify: {peak / 2**20:.0f} MiB"
+        assert not report.ok or not isinstance(loaded, BaseException), (report, loaded)
     finally:
         path.write_bytes(original)
+
+
+_FUZZ = dict(deadline=None, derandomize=True, database=None,
+             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=60, **_FUZZ)
+@given(data=st.data())
+def test_fuzzed_tables_load_exactly_or_raise_a_corrupt_checkpoint_error(fuzz_ckpt, data):
+    _fuzz(fuzz_ckpt, data)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@settings(max_examples=2000, **_FUZZ)
+@given(data=st.data())
+def test_fuzzed_tables_many_more_examples(fuzz_ckpt, data):
+    _fuzz(fuzz_ckpt, data)
 
 
 def test_the_manifest_grows_by_bytes_per_piece(tmp_path):

@@ -341,6 +341,89 @@ def test_a_crafted_safetensors_file_is_refused_on_import(tmp_path, header):
     assert not (tmp_path / "out").exists()
 
 
+# --------------------------------------------------------------------------- crafted ties (issue 24, item 5)
+
+
+def _tie(entries: dict, name: str, first: str, **chunk: Any) -> tuple[str, str]:
+    """Tie ``name`` to ``first``; ``chunk`` changes ``name``'s one chunk first (to give it
+    ``first``'s bytes, so that only its dtype or shape differs)."""
+    (own,) = entries[name].chunks
+    (theirs,) = entries[first].chunks
+    entries[name].chunks = [dataclasses.replace(own, **{k: getattr(theirs, k) for k in chunk.pop("like", ())},
+                                                **chunk)]
+    entries[name].tied_to = first
+    return name, first
+
+
+TIES = {  # each names (the tied tensor, the tensor it claims to repeat)
+    "an int16 tied to a float32": lambda e: _tie(e, "i", "f"),
+    "same bytes, another dtype": lambda e: _tie(e, "j", "f", like=("file", "start", "end", "checksums")),
+    "same bytes, another shape": lambda e: _tie(e, "m", "f", like=("file", "start", "end", "checksums")),
+    "same dtype and shape, other bytes": lambda e: _tie(e, "g", "f"),
+}
+
+
+def _tie_state() -> dict:
+    return {"f": torch.arange(4.0), "i": torch.arange(4, dtype=torch.int16) * 3, "g": torch.arange(4.0) + 10,
+            "j": torch.arange(4, dtype=torch.int32) - 7, "m": torch.ones(2, 2)}
+
+
+@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("case", list(TIES))
+def test_a_tie_to_another_tensor_is_refused_on_every_path(tmp_path, case, version, capsys):
+    """A manifest that ties a tensor to one it does not repeat (another dtype, shape or
+    bytes) made load_state return the other tensor's values under its name, and verify
+    say ok. Every path that resolves ties refuses it, naming the manifest and both tensors:
+    load_state, load in place, verify, export, DCP's Reader, and the CLI."""
+    from safeckpt.cli import main as cli
+    from safeckpt.dcp import Reader
+
+    ckpt, good = tmp_path / "ck", tmp_path / "good"
+    safeckpt.save(_tie_state(), ckpt)
+    safeckpt.save(_tie_state(), good)
+    (path,) = ckpt.glob("manifest-*.json")
+    m = decode_manifest(path.read_bytes(), str(path))
+    entries = editable(m.tensors)
+    name, first = TIES[case](entries)
+    path.write_bytes(encode_manifest(dataclasses.replace(m, version=version, tensors=entries)))
+
+    def named(text: str) -> bool:
+        return path.name in text and repr(name) in text and repr(first) in text
+
+    template = {k: torch.zeros_like(v) for k, v in _tie_state().items()}
+    for call in (lambda: safeckpt.load_state(ckpt), lambda: safeckpt.load_state(ckpt, verify=False),
+                 lambda: safeckpt.load(template, ckpt), lambda: safeckpt.load(template, ckpt, verify=False),
+                 lambda: safeckpt.export_checkpoint(ckpt, tmp_path / "out.safetensors"),
+                 lambda: Reader(str(ckpt)).read_metadata()):
+        with pytest.raises(safeckpt.CorruptCheckpointError) as info:
+            call()
+        assert named(str(info.value)), info.value
+    assert not (tmp_path / "out.safetensors").exists()
+    report = safeckpt.verify(ckpt)
+    assert not report.ok and named(report.problems[0]), report.problems
+    capsys.readouterr()
+    assert cli(["verify", str(ckpt)]) == 1 and named(capsys.readouterr().out)
+    for args in (["show", str(ckpt)], ["diff", str(good), str(ckpt)], ["export", str(ckpt), str(tmp_path / "o")]):
+        assert cli(args) == 2, args
+        assert named(capsys.readouterr().err), args
+
+
+def test_a_tie_that_repeats_its_tensor_still_loads_as_one_tensor(tmp_path):
+    """The check refuses only false ties: real ones (tied embeddings) load as one tensor
+    in formats 2 and 3, and verify says ok."""
+    emb = torch.randn(5, 3)
+    for version in (2, 3):
+        ckpt = tmp_path / f"v{version}"
+        safeckpt.save({"emb": emb, "head": emb, "b": torch.ones(3)}, ckpt)
+        (path,) = ckpt.glob("manifest-*.json")
+        m = decode_manifest(path.read_bytes(), str(path))
+        assert m.tensors["head"].tied_to == "emb"
+        path.write_bytes(encode_manifest(dataclasses.replace(m, version=version, tensors=editable(m.tensors))))
+        got = safeckpt.load_state(ckpt)
+        assert got["head"] is got["emb"] and torch.equal(got["emb"], emb)
+        assert safeckpt.verify(ckpt).ok
+
+
 # --------------------------------------------------------------------------- fuzzing
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402

@@ -11,6 +11,7 @@ refused) runs here, in this process.
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -62,7 +63,8 @@ def root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def two(launch, root) -> dw.Launch:
-    return launch(2, ["dcp_fsdp_save", "dcp_resave", "dcp_raise", "dcp_async"], root)
+    return launch(2, ["dcp_fsdp_save", "dcp_resave", "dcp_raise", "dcp_async", "dcp_empty", "dcp_transformed",
+                      "dcp_sharded_tensor"], root)
 
 
 def no_problems(results: list[dict], what: str) -> None:
@@ -161,7 +163,9 @@ def test_async_save(two):
 
 
 def test_dtensor_on_a_2d_mesh(launch, root):
-    no_problems(launch(4, ["dcp_2d"], root).results("dcp_2d"), "DTensor on a 2x2 mesh")
+    done = launch(4, ["dcp_2d", "dcp_reshard"], root)
+    no_problems(done.results("dcp_2d"), "DTensor on a 2x2 mesh")
+    no_problems(done.results("dcp_reshard"), "a 2-D DTensor saved with each placement, loaded with every other")
     (name,) = [p for p in (root / "dt2").iterdir() if p.name.startswith("manifest-")]
     manifest = decode_manifest(name.read_bytes(), str(name))
     assert manifest.version == WRITE_VERSION  # DCP saves write the compact tables too
@@ -257,6 +261,12 @@ def _state() -> dict:
             **cw.extras(4)}
 
 
+def test_an_empty_state_saves_and_loads(tmp_path):
+    dcp.save({}, storage_writer=safeckpt.dcp.Writer(str(tmp_path / "c")))
+    dcp.load({}, storage_reader=safeckpt.dcp.Reader(str(tmp_path / "c")))
+    assert safeckpt.verify(str(tmp_path / "c")).ok and safeckpt.load_state(str(tmp_path / "c")) == {}
+
+
 def test_empty_planner_load_into_an_empty_dict(tmp_path):
     dcp.save(_state(), storage_writer=safeckpt.dcp.Writer(str(tmp_path / "c")))
     out: dict = {}
@@ -312,12 +322,14 @@ def test_a_damaged_block_is_found_on_load(tmp_path):
     assert isinstance(error, safeckpt.CorruptCheckpointError) and "fails its checksum" in str(error)
 
 
-def test_overwrite_false_refuses_an_existing_checkpoint(tmp_path):
-    dcp.save({"w": torch.ones(3)}, storage_writer=safeckpt.dcp.Writer(str(tmp_path / "c")))
-    with pytest.raises(CheckpointException) as info:
+def test_overwrite_false_refuses_an_existing_checkpoint_in_dcps_words(tmp_path):
+    dcp.save({"w": torch.ones(3)}, storage_writer=safeckpt.dcp.Writer(str(tmp_path / "c"), overwrite=False))
+    with pytest.raises(CheckpointException, match="Checkpoint already exists") as info:  # as FileSystemWriter says
         dcp.save({"w": torch.zeros(3)}, storage_writer=safeckpt.dcp.Writer(str(tmp_path / "c"), overwrite=False))
     (error, _), = info.value.failures.values()
-    assert isinstance(error, safeckpt.CheckpointExistsError)
+    assert isinstance(error, safeckpt.CheckpointExistsError) and str(tmp_path / "c") in str(error)
+    with pytest.raises(safeckpt.CheckpointExistsError, match="Checkpoint already exists"):  # safeckpt.save alike
+        safeckpt.save({"w": torch.zeros(3)}, str(tmp_path / "c"))
     assert torch.equal(safeckpt.load_state(str(tmp_path / "c"))["w"], torch.ones(3))
 
 
@@ -331,7 +343,7 @@ def test_unsupported_features_raise_a_typed_error_and_write_nothing(tmp_path):
                 obj = {"wrapped": obj}
             return super().transform_object(write_item, obj)
 
-    with pytest.raises(safeckpt.UnsupportedFeatureError, match="_extensions"):
+    with pytest.raises(TypeError, match="StreamTransformExtension"):
         safeckpt.dcp.Writer(str(tmp_path / "x"), _extensions=[object()])
     for state, planner, needle in [({"w": torch.ones(2), "v": 1}, Transforming(), "transform_object"),
                                    ({"w": torch.ones(2), "v": (torch.ones(1), 2)}, None, "a tensor inside")]:
@@ -380,3 +392,203 @@ def test_any_storage_url_and_export(tmp_path):
         fsspec.filesystem("memory").rm(f"memory://safeckpt-dcp-{id(tmp_path)}", recursive=True)
     exported = safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
     assert torch.equal(exported["model.w"], _state()["model"]["w"])
+
+
+# --------------------------------------------------------------------------- issue 24 (11), issue 25
+
+
+def _failure(call) -> BaseException:
+    """What ``call`` raised: the rank's own error inside DCP's CheckpointException."""
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+        failures = getattr(exc, "failures", None)
+        if failures:
+            (error, _), = failures.values()
+            return error
+        return exc
+    raise AssertionError("it did not raise")
+
+
+def test_empty_tensors_on_2_ranks_save_and_load(two, root):
+    no_problems(two.results("dcp_empty"), "empty tensors through the Writer, and Shard pieces of empty tensors")
+    shapes = {k: tuple(v.shape) for k, v in safeckpt.load_state(str(root / "empty")).items()}
+    assert shapes == {"e1": (0,), "e2": (0, 3), "e3": (2, 0, 4), "w": (3,), "s03": (0, 3), "s40": (4, 0), "s1": (1,)}
+    assert safeckpt.verify(str(root / "empty")).ok and safeckpt.verify(str(root / "empty_shards")).ok
+    assert tuple(safeckpt.load_state(str(root / "empty_shards"))["p"].shape) == (4, 0)
+
+
+def test_empty_tensors_are_saved_as_filesystemwriter_saves_them(tmp_path):
+    dcp.save(cw.empty_state(1), storage_writer=safeckpt.dcp.Writer(str(tmp_path / "c")))
+    dcp.save(cw.empty_state(1), storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")))
+    target = cw.empty_state(0)
+    dcp.load(target, storage_reader=safeckpt.dcp.Reader(str(tmp_path / "c")))
+    assert dw.compare(target, cw.empty_state(1)) == []
+    ours = safeckpt.dcp.Reader(str(tmp_path / "c")).read_metadata().state_dict_metadata
+    stock = dcp.FileSystemReader(str(tmp_path / "stock")).read_metadata().state_dict_metadata
+    assert {k: (v.size, [(tuple(c.offsets), tuple(c.sizes)) for c in v.chunks]) for k, v in ours.items()} == \
+        {k: (v.size, [(tuple(c.offsets), tuple(c.sizes)) for c in v.chunks]) for k, v in stock.items()}
+    assert safeckpt.verify(str(tmp_path / "c")).ok
+
+
+def test_safeckpt_save_with_shard_pieces_of_empty_tensors(tmp_path):
+    whole = {"e": safeckpt.Shard(torch.empty(0, 3), (0, 3), (0, 0)), "f": safeckpt.Shard(torch.empty(0), (0,), (0,))}
+    safeckpt.save(whole, str(tmp_path / "c"))
+    assert {k: tuple(v.shape) for k, v in safeckpt.load_state(str(tmp_path / "c")).items()} == {"e": (0, 3), "f": (0,)}
+    # one piece that is not the whole (empty) tensor: refused before the commit, not committed unreadable
+    with pytest.raises(safeckpt.SaveAbortedError, match="only piece"):
+        safeckpt.save({"e": safeckpt.Shard(torch.empty(2, 0), (4, 0), (0, 0))}, str(tmp_path / "d"))
+    with pytest.raises(safeckpt.CheckpointNotFoundError):
+        safeckpt.load_state(str(tmp_path / "d"))
+
+
+def _nested(v: float) -> dict:
+    import collections
+    return {"m": {"w": torch.full((2,), v)}, "tl": [torch.ones(1) * v, torch.zeros(2) + v], "ints": [1, 2, 3],
+            "tup": (torch.ones(2) * v, 3), "lt": [(torch.ones(1) * v, "a")], "nested": [[torch.ones(1) * v], [1]],
+            "ld": [{"x": torch.ones(1) * v}, 4], "ed": {}, "el": [], "lel": [[], 5], "size": torch.Size([2, 3]),
+            "od": collections.OrderedDict(a=torch.ones(1) * v), "e0": torch.empty(0, 2), "s": "x", "none": None}
+
+
+def test_reader_flattens_a_safeckpt_save_checkpoint_as_dcp_does(tmp_path):
+    safeckpt.save(_nested(1.0), str(tmp_path / "ours"))
+    dcp.save(_nested(1.0), storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")))
+    ours = safeckpt.dcp.Reader(str(tmp_path / "ours")).read_metadata()
+    stock = dcp.FileSystemReader(str(tmp_path / "stock")).read_metadata()
+    assert {k: type(v) for k, v in ours.state_dict_metadata.items()} == \
+        {k: type(v) for k, v in stock.state_dict_metadata.items()}  # a tuple of tensors is one value item
+    assert ours.planner_data == stock.planner_data
+    got, want = _nested(0.0), _nested(0.0)
+    dcp.load(got, storage_reader=safeckpt.dcp.Reader(str(tmp_path / "ours")))
+    dcp.load(want, storage_reader=dcp.FileSystemReader(str(tmp_path / "stock")))
+    assert dw.compare(got, want) == [] and dw.compare(got, _nested(1.0)) == []
+
+
+def _craft(path: Path, mutate) -> None:
+    from safeckpt.format.manifest import frame
+    (name,) = [p for p in path.iterdir() if p.name.startswith("manifest-")]
+    body = json.loads(name.read_bytes())["safeckpt"]
+    mutate(body)
+    name.write_bytes(frame(json.dumps(body).encode()))
+
+
+@pytest.mark.parametrize("case", ["bytesio names an int", "bytesio names a tensor", "path through a tensor"])
+def test_a_crafted_dcp_record_is_a_corrupt_checkpoint(tmp_path, case):
+    path = tmp_path / "c"
+    dcp.save(_state(), storage_writer=safeckpt.dcp.Writer(str(path)))
+    key, record = {"bytesio names an int": ("epoch", lambda b: b["dcp"].update(bytesio=["epoch"])),
+                   "bytesio names a tensor": ("model.w", lambda b: b["dcp"].update(bytesio=["model.w"])),
+                   "path through a tensor": ("epoch", lambda b: b["dcp"]["items"].update(epoch=["model", "w", "x"]))
+                   }[case]
+    _craft(path, record)
+    with pytest.raises(safeckpt.CorruptCheckpointError, match=f"dcp item '{key}'") as info:
+        safeckpt.dcp.Reader(str(path)).read_metadata()
+    assert str(path) in str(info.value)
+    with pytest.raises(safeckpt.CorruptCheckpointError, match=f"dcp item '{key}'"):
+        safeckpt.load_state(str(path))
+    report = safeckpt.verify(str(path))
+    assert not report.ok and any(f"dcp item '{key}'" in p for p in report.problems), report.problems
+    # through dcp.load, DCP reports a failed read_metadata in its own words, with safeckpt's message
+    assert f"dcp item '{key}'" in str(_failure(lambda: dcp.load(_state(), storage_reader=safeckpt.dcp.Reader(str(path)))))
+
+
+def _stored(path: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in sorted(path.iterdir()) if p.name.startswith("data-"))
+
+
+class _Blob:
+    """A stateful object whose state is bytes (DCP saves it as a value item)."""
+
+    def __init__(self, blob: bytes) -> None:
+        self.state = {"blob": blob}
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+def test_stream_transforms_are_recorded_checked_and_undone(tmp_path):
+    path = tmp_path / "c"
+    state = {"w": torch.arange(4096.0), "b": torch.ones(3, dtype=torch.bfloat16), "e": torch.empty(0, 2),
+             "step": 4, "train": io.BytesIO(b"position")}
+    blob = _Blob(b"blob-bytes")
+    dcp.save({**state, "blob": blob}, storage_writer=safeckpt.dcp.Writer(str(path), _extensions=[cw.Xor.make()]))
+    body = _manifest(path)
+    assert body["format_version"] == 4
+    assert body["transformed"]["w"]["transforms"] == ["test.xor/1"] and body["transformed"]["w"]["dtype"] == "float32"
+    raw = state["w"].numpy().tobytes()
+    assert raw[:4096] not in _stored(path) and bytes(x ^ 0x5A for x in raw[:4096]) in _stored(path)
+    assert safeckpt.verify(str(path)).ok  # the checksums are of the stored bytes: no transform needed
+    target = {"w": torch.zeros(4096), "b": torch.zeros(3, dtype=torch.bfloat16), "e": torch.empty(0, 2), "step": 0,
+              "train": io.BytesIO(), "blob": _Blob(b"")}
+    dcp.load(target, storage_reader=safeckpt.dcp.Reader(str(path), _extension_registry=cw.Xor.registry()))
+    assert target.pop("train").getvalue() == b"position"
+    assert target.pop("blob").state == {"blob": b"blob-bytes"}  # loaded in place, through its load_state_dict
+    assert dw.compare(target, {k: v for k, v in state.items() if k != "train"}) == []
+    # the transform not registered: a typed error that names it and says what to do
+    error = _failure(lambda: dcp.load(target, storage_reader=safeckpt.dcp.Reader(str(path))))
+    assert isinstance(error, safeckpt.UnsupportedFeatureError) and "test.xor/1" in str(error), repr(error)
+    assert "_extension_registry" in str(error) and "tensor '" in str(error)
+    with pytest.raises(safeckpt.UnsupportedFeatureError, match="test.xor/1"):
+        safeckpt.load_state(str(path))
+    # a damaged stored byte is found by verify and on load
+    data = next(p for p in path.iterdir() if p.name.startswith("data-"))
+    damaged = bytearray(data.read_bytes())
+    damaged[-100] ^= 0xFF
+    data.write_bytes(bytes(damaged))
+    assert not safeckpt.verify(str(path)).ok
+    error = _failure(lambda: dcp.load(target, storage_reader=safeckpt.dcp.Reader(
+        str(path), _extension_registry=cw.Xor.registry())))
+    assert isinstance(error, safeckpt.CorruptCheckpointError) and "fails its checksum" in str(error), repr(error)
+
+
+def test_zstandard_compresses_and_loads_with_dcps_default_registry(tmp_path):
+    pytest.importorskip("zstandard")
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    state = {"z": torch.zeros(1 << 18), "w": torch.arange(1000.0)}
+    dcp.save(state, storage_writer=safeckpt.dcp.Writer(str(tmp_path / "c"), _extensions=[ZStandard()]))
+    assert len(_stored(tmp_path / "c")) < (1 << 20) // 50  # 1 MiB of zeros, compressed
+    assert dw.compare(safeckpt.load_state(str(tmp_path / "c")), state) == []
+    target = {"z": torch.ones(1 << 18), "w": torch.zeros(1000)}
+    dcp.load(target, storage_reader=safeckpt.dcp.Reader(str(tmp_path / "c")))
+    assert dw.compare(target, state) == []
+    # two transforms: XOR applied to the data first, then compressed; loading undoes them in reverse
+    dcp.save(state, storage_writer=safeckpt.dcp.Writer(str(tmp_path / "d"), _extensions=[ZStandard(), cw.Xor.make()]))
+    assert _manifest(tmp_path / "d")["transformed"]["z"]["transforms"] == ["test.xor/1", "stream.zstd/1"]
+    assert len(_stored(tmp_path / "d")) < (1 << 20) // 50
+    target = {"z": torch.ones(1 << 18), "w": torch.zeros(1000)}
+    dcp.load(target, storage_reader=safeckpt.dcp.Reader(str(tmp_path / "d"), _extension_registry=cw.Xor.registry()))
+    assert dw.compare(target, state) == []
+
+
+@pytest.mark.parametrize("case", ["stream decodes short", "not a uint8 table entry", "boxes do not tile"])
+def test_a_crafted_transformed_record_is_a_corrupt_checkpoint(tmp_path, case):
+    path = tmp_path / "c"
+    dcp.save({"w": torch.arange(64.0).reshape(8, 8), "b": torch.ones(2)},  # extra's tensors are stored plain
+             storage_writer=safeckpt.dcp.Writer(str(path), _extensions=[cw.Xor.make()], extra={"t": torch.ones(2)}))
+    mutate = {"stream decodes short": lambda t: t["w"].update(dtype="float64"),
+              "not a uint8 table entry": lambda t: t.update(t=t["w"]),
+              "boxes do not tile": lambda t: t["w"].update(chunks=[[[0, 0], [4, 8]]])}[case]
+    _craft(path, lambda body: mutate(body["transformed"]))
+    if case == "stream decodes short":  # the record is well formed; the stream is caught as it is decoded
+        assert safeckpt.verify(str(path)).ok
+        error = _failure(lambda: dcp.load({"w": torch.zeros(8, 8, dtype=torch.float64), "b": torch.zeros(2)},
+                                          storage_reader=safeckpt.dcp.Reader(
+                                              str(path), _extension_registry=cw.Xor.registry())))
+        assert isinstance(error, safeckpt.CorruptCheckpointError) and "decodes to 256 bytes" in str(error), error
+        return
+    with pytest.raises(safeckpt.CorruptCheckpointError, match="transformed"):
+        safeckpt.dcp.Reader(str(path)).read_metadata()
+    assert not safeckpt.verify(str(path)).ok
+
+
+def test_transformed_dtensors_load_resharded_on_2_ranks(two, root):
+    no_problems(two.results("dcp_transformed"), "DTensors through a stream transform, loaded resharded")
+    assert safeckpt.verify(str(root / "xor")).ok
+
+
+def test_sharded_tensors_reshard_and_switch_with_plain_tensors(two):
+    no_problems(two.results("dcp_sharded_tensor"), "ShardedTensor saved 2 shards a rank, loaded as others and plain")

@@ -40,7 +40,7 @@ import safeckpt
 from safeckpt.run import garbage
 from safeckpt.format.folder import read_committed
 from safeckpt.protocol.incremental import split_box
-from safeckpt.format.names import RETIRED, step_folder
+from safeckpt.format.names import RETIRED, step_folder, step_of
 from safeckpt.format.manifest import is_shared
 from safeckpt.storage import LocalStorage
 from safeckpt.storage import open as open_storage
@@ -120,7 +120,7 @@ def digests_under(root: Path) -> dict[str, str]:
 
 
 def step_dirs(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and garbage.STEP_RE.fullmatch(p.name))
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and step_of(p.name) is not None)
 
 
 def own_files(path: str) -> dict[str, int]:

@@ -1,12 +1,15 @@
-"""Accelerate: save_state / load_state through a CheckpointManager, a real kill and resume.
+"""Accelerate: save_state / load_state in both layouts, a real kill and resume.
 
 A small MLP with dropout trains 8 steps on CPU through ``accelerate`` (prepared model,
 optimizer and scheduler, a registered custom object), drawing its data from Python's
 ``random``, NumPy and torch, so a resume is exact only when all three generators come
-back. A process saving every 2 steps is SIGKILLed during the save of step 6 (its
-data written, its manifest not); another process, which never trained, starts from a
-different random model and resumes from step 4 and must end bit-identical to an uninterrupted run that
-never saved (so saving must not disturb the generators either).
+back. For each layout a process saving every 2 steps is SIGKILLed during the save of
+step 6: the default one (Accelerate's own files) after ``accelerator.save_state``
+wrote them and before the seal, the safeckpt one with its data written and its
+manifest not. Stock ``accelerator.load_state`` then reads step 4 back as the killed
+run held it, and a process that never trained starts from a different random model,
+resumes from step 4 and must end bit-identical to an uninterrupted run that never
+saved (so saving must not disturb the generators either).
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ def _setup(model_seed: int):
     return accelerator, model, opt, sched, counter
 
 
-def _train(accelerator, model, opt, sched, counter, start: int, root: str | None, report=None) -> dict:
+def _train(accelerator, model, opt, sched, counter, start: int, root: str | None, layout: str = "accelerate",
+           report=None) -> dict:
     losses = {}
     for step in range(start + 1, STEPS + 1):
         x = torch.randn(8, 16)
@@ -86,7 +90,7 @@ def _train(accelerator, model, opt, sched, counter, start: int, root: str | None
         if report:
             report(losses)
         if root is not None and step % SAVE_EVERY == 0:
-            sa.save_state(accelerator, root, step, keep_last=KEEP_LAST)
+            sa.save_state(accelerator, root, step, keep_last=KEEP_LAST, layout=layout)
     return losses
 
 
@@ -98,56 +102,85 @@ def _outcome(accelerator, model, counter, losses: dict, weights: str) -> dict:
 
 # ----------------------------------------------------------------------------- children
 
-def child_killed(plan: dict) -> None:
+def child_killed(plan: dict, layout: str) -> None:
+    """Train, saving in ``layout``, and die during the save of step KILL_AT: before the
+    seal (``point`` "seal"), half way through Accelerate's optimizer.bin ("files"), or
+    for the safeckpt layout between its data and its manifest."""
+    from kill_points import die_writing
+
     from safeckpt.storage.local import LocalStorage
 
-    real = LocalStorage.write_file
+    run, point = plan[layout], plan.get("point", "seal")
+    torn = f"step-{KILL_AT:09d}"
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+
+    real_write, real_seal = LocalStorage.write_file, sa.seal
 
     def write_file(self, name, parts):
-        if name.startswith("manifest-") and self.path.endswith(f"step-{KILL_AT:09d}"):
-            os.kill(os.getpid(), signal.SIGKILL)  # the data file is written, the manifest never
-            time.sleep(60)
-        return real(self, name, parts)
+        if name.startswith("manifest-") and self.path.endswith(torn) and layout == "safeckpt":
+            die()  # the data file is written, the manifest never
+        return real_write(self, name, parts)
 
-    LocalStorage.write_file = write_file
+    def seal(path, **kwargs):
+        if point == "seal" and str(path).endswith(torn):
+            die()
+        return real_seal(path, **kwargs)
+
+    LocalStorage.write_file, sa.seal = write_file, seal
+    if point == "files":
+        die_writing(f"{torn}/optimizer.bin", die)
+    parts = _setup(model_seed=0)
 
     def report(losses):
-        Path(plan["killed_losses"]).write_text(json.dumps(losses))
-    _train(*_setup(model_seed=0), start=0, root=plan["root"], report=report)
+        Path(run["killed_losses"]).write_text(json.dumps(losses))
+        if len(losses) == 4:  # the weights step 4 saves
+            _outcome(parts[0], parts[1], parts[4], losses, run["step4"])
+    _train(*parts, start=0, root=run["root"], layout=layout, report=report)
     raise AssertionError("the run was not killed")
 
 
-def child_resume(plan: dict) -> dict:
+def child_resume(run: dict, layout: str) -> dict:
     parts = _setup(model_seed=99)  # a different model: loading nothing cannot pass
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        start = sa.load_state(parts[0], plan["root"])
-    losses = _train(*parts, start=start, root=plan["root"])
-    result = {"restored": start, "warnings": [str(w.message) for w in caught],
-              "resumed": _outcome(parts[0], parts[1], parts[4], losses, plan["resumed_weights"])}
-    ref = _setup(model_seed=0)
-    result["ref"] = _outcome(ref[0], ref[1], ref[4], _train(*ref, start=0, root=None), plan["ref_weights"])
-    return result
+        start = sa.load_state(parts[0], run["root"])
+    losses = _train(*parts, start=start, root=run["root"], layout=layout)
+    return {"restored": start, "warnings": [str(w.message) for w in caught],
+            "resumed": _outcome(parts[0], parts[1], parts[4], losses, run["resumed_weights"])}
 
 
 def child_main(plan: dict) -> None:
-    """One launch: fork the run that gets killed, then resume in this process, which
-    never trained (so it shares nothing with the killed run but the files)."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            child_killed(plan)
-        except BaseException:
-            import traceback
-            Path(plan["out"] + ".err").write_text(traceback.format_exc())
-        finally:
-            os._exit(1)
-    _, status = os.waitpid(pid, 0)
-    killed = {"signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-              "steps": safeckpt.CheckpointManager(plan["root"]).steps(),
-              "error": Path(plan["out"] + ".err").read_text() if os.path.exists(plan["out"] + ".err") else None}
-    result = child_resume(plan) if killed["signal"] == signal.SIGKILL else {}
-    Path(plan["out"]).write_text(json.dumps({**result, "killed": killed}))
+    """One launch: for each layout fork the run that gets killed, then resume it in this
+    process, which never trained (so it shares nothing with the killed run but the
+    files); then the uninterrupted reference."""
+    result: dict = {}
+    for layout in plan["layouts"]:
+        err = plan[layout]["root"] + ".err"
+        pid = os.fork()
+        if pid == 0:
+            try:
+                child_killed(plan, layout)
+            except BaseException:
+                import traceback
+                Path(err).write_text(traceback.format_exc())
+            finally:
+                os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        killed = {"signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+                  "steps": safeckpt.CheckpointManager(plan[layout]["root"]).steps(),
+                  "error": Path(err).read_text() if os.path.exists(err) else None}
+        if layout == "accelerate" and killed["signal"] == signal.SIGKILL:  # the stock tool reads step 4
+            accelerator, model, _, _, counter = _setup(model_seed=7)
+            accelerator.load_state(os.path.join(plan[layout]["root"], "step-000000004"))
+            killed["stock"] = _outcome(accelerator, model, counter, {}, plan[layout]["stock4"])
+        resumed = child_resume(plan[layout], layout) if killed["signal"] == signal.SIGKILL else {}
+        result[layout] = {**resumed, "killed": killed}
+    ref = _setup(model_seed=0)
+    result["ref"] = _outcome(ref[0], ref[1], ref[4], _train(*ref, start=0, root=None), plan["ref_weights"])
+    Path(plan["out"]).write_text(json.dumps(result))
 
 
 def _run_child(plan_path: Path) -> tuple[int, str]:
@@ -159,50 +192,95 @@ def _run_child(plan_path: Path) -> tuple[int, str]:
     return proc.returncode, proc.stdout
 
 
-# ----------------------------------------------------------------------------- tests
-
-def test_kill_mid_save_then_resume_is_bit_identical(tmp_path):
-    root = str(tmp_path / "run")
-    plan = {"root": root, "out": str(tmp_path / "result.json"), "killed_losses": str(tmp_path / "killed.json"),
-            "resumed_weights": str(tmp_path / "w-resumed"), "ref_weights": str(tmp_path / "w-ref")}
+def _kill_and_resume(tmp_path: Path, layouts, point: str = "seal") -> dict:
+    plan: dict = {"layouts": list(layouts), "point": point, "out": str(tmp_path / "result.json"),
+                  "ref_weights": str(tmp_path / "w-ref")}
+    for layout in layouts:
+        plan[layout] = {"root": str(tmp_path / layout), "killed_losses": str(tmp_path / f"killed-{layout}.json"),
+                        "resumed_weights": str(tmp_path / f"w-{layout}"), "step4": str(tmp_path / f"step4-{layout}"),
+                        "stock4": str(tmp_path / f"stock4-{layout}")}
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(json.dumps(plan))
-
     code, out = _run_child(plan_path)
     assert code == 0, f"the child failed (exit {code}):\n{out[-5000:]}"
-    result = json.loads(Path(plan["out"]).read_text())
-    killed = result["killed"]
-    assert killed["signal"] == signal.SIGKILL, f"the run was not killed:\n{killed['error']}"
-    assert killed["steps"] == [2, 4]  # step 6 was torn: data written, no manifest
-    mgr = safeckpt.CheckpointManager(root)
-    assert result["restored"] == 4
-    assert any(f"step {KILL_AT}" in w and "not committed" in w for w in result["warnings"]), result["warnings"]
+    return {"plan": plan, "result": json.loads(Path(plan["out"]).read_text())}
 
-    resumed, ref = result["resumed"], result["ref"]
-    killed = json.loads(Path(plan["killed_losses"]).read_text())
-    assert {k: v for k, v in ref["losses"].items() if int(k) <= KILL_AT} == killed
-    assert {k: v for k, v in ref["losses"].items() if int(k) > 4} == resumed["losses"]
-    assert resumed["counter"] == ref["counter"] and resumed["acc_step"] == ref["acc_step"]
-    got, want = safeckpt.load_state(resumed["weights"]), safeckpt.load_state(ref["weights"])
+
+# ----------------------------------------------------------------------------- tests
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory) -> dict:
+    return _kill_and_resume(tmp_path_factory.mktemp("accelerate"), sa.LAYOUTS)
+
+
+def _same_weights(got_path: str, want_path: str) -> None:
+    got, want = safeckpt.load_state(got_path), safeckpt.load_state(want_path)
     assert got.keys() == want.keys()
     for name in want:
-        assert torch.equal(got[name], want[name]), f"{name} differs from the uninterrupted run"
+        assert torch.equal(got[name], want[name]), f"{name} differs"
+
+
+def _check_kill_and_resume(runs: dict, layout: str) -> None:
+    plan, result = runs["plan"], runs["result"]
+    run, res, ref = plan[layout], result[layout], result["ref"]
+    killed = res["killed"]
+    assert killed["signal"] == signal.SIGKILL, f"the run was not killed:\n{killed['error']}"
+    assert killed["steps"] == [2, 4]  # step 6 was torn
+    assert res["restored"] == 4
+    why = "not sealed" if layout == "accelerate" else "not committed"
+    assert any(f"{KILL_AT:09d}" in w and why in w for w in res["warnings"]), res["warnings"]
+
+    resumed = res["resumed"]
+    killed_losses = json.loads(Path(run["killed_losses"]).read_text())
+    assert {k: v for k, v in ref["losses"].items() if int(k) <= KILL_AT} == killed_losses
+    assert {k: v for k, v in ref["losses"].items() if int(k) > 4} == resumed["losses"]
+    assert resumed["counter"] == ref["counter"] and resumed["acc_step"] == ref["acc_step"]
+    _same_weights(resumed["weights"], ref["weights"])
 
     # retention ran after each commit, in the run the resume continued
+    mgr = safeckpt.CheckpointManager(run["root"])
     assert mgr.steps() == [STEPS - SAVE_EVERY, STEPS]
     for step in mgr.steps():
         assert safeckpt.verify(mgr.path(step)).ok
-    saved = safeckpt.load_state(mgr.path(STEPS))
+
+
+@pytest.mark.parametrize("layout", sa.LAYOUTS)
+def test_kill_mid_save_then_resume_is_bit_identical(killed_runs, layout):
+    _check_kill_and_resume(killed_runs, layout)
+
+
+def test_default_layout_is_accelerates_own_files_and_stock_load_state_reads_them(killed_runs):
+    run = killed_runs["plan"]["accelerate"]
+    newest = Path(run["root"]) / f"step-{STEPS:09d}"
+    names = {p.name for p in newest.iterdir()}
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
+            "custom_checkpoint_0.pkl", "manifest-000001.json"} == names
+    # the stock accelerator.load_state, in the process that resumed, before it resumed:
+    # step 4 as the killed run held it
+    stock = killed_runs["result"]["accelerate"]["killed"]["stock"]
+    assert stock["counter"]["seen"] == [1, 2, 3, 4]
+    _same_weights(stock["weights"], run["step4"])
+
+
+def test_safeckpt_layout_is_one_checkpoint_without_pickles(killed_runs):
+    run = killed_runs["plan"]["safeckpt"]
+    saved = safeckpt.load_state(Path(run["root"]) / f"step-{STEPS:09d}")
     assert {"models", "optimizers", "schedulers", "custom_objects", "step", "rng"} <= saved.keys()
-    assert saved["custom_objects"][0] == ref["counter"]
+    assert saved["custom_objects"][0] == killed_runs["result"]["ref"]["counter"]
     assert set(saved["rng"][0]) >= {"python", "numpy", "torch"}
+
+
+@pytest.mark.slow
+def test_kill_half_way_through_accelerates_files_then_resume_is_bit_identical(tmp_path):
+    _check_kill_and_resume(_kill_and_resume(tmp_path, ["accelerate"], point="files"), "accelerate")
 
 
 def _draws() -> tuple:
     return random.random(), float(np.random.rand()), torch.rand(3).tolist()
 
 
-def test_save_does_not_advance_generators_and_load_restores_them(tmp_path):
+@pytest.mark.parametrize("layout", sa.LAYOUTS)
+def test_save_does_not_advance_generators_and_load_restores_them(tmp_path, layout):
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
@@ -214,7 +292,7 @@ def test_save_does_not_advance_generators_and_load_restores_them(tmp_path):
         torch.manual_seed(5)
         before = sa.rng_states()
         accelerator.step = 3
-        sa.save_state(accelerator, tmp_path, 1)
+        sa.save_state(accelerator, tmp_path, 1, layout=layout)
         after_save = _draws()
         sa.set_rng_states(before)
         assert _draws() == after_save, "saving changed what a generator produces next"
@@ -230,6 +308,69 @@ def test_save_does_not_advance_generators_and_load_restores_them(tmp_path):
         sa.set_rng_states(saved_rng)
 
 
+def test_sealed_folders_keep_their_metrics_for_retention(tmp_path):
+    """keep_best over the accelerate layout: the metrics go into each seal, and
+    retention (after each seal) keeps the best and the newest."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(4, 2))
+    for step, loss in ((1, 0.5), (2, 0.1), (3, 0.4), (4, 0.3)):
+        info = sa.save_state(accelerator, tmp_path, step, metrics={"loss": loss},
+                             keep_last=1, keep_best=1, best_metric="loss")
+        assert info.step == step
+    assert safeckpt.CheckpointManager(tmp_path).steps() == [2, 4]
+    assert [s.metrics for s in safeckpt.list_checkpoints(tmp_path)] == [{"loss": 0.1}, {"loss": 0.3}]
+
+
+def test_a_root_accelerate_cannot_write_gets_the_safeckpt_layout(tmp_path):
+    """accelerator.save_state writes with open(): an object-store URL (here fsspec's
+    memory://) is saved in the safeckpt layout unless the accelerate one is asked for."""
+    from accelerate import Accelerator
+
+    pytest.importorskip("fsspec")
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(4, 2))
+    root = f"memory://{tmp_path.name}/run"
+    with pytest.raises(ValueError, match="layout='safeckpt'"):
+        sa.save_state(accelerator, root, 1, layout="accelerate")
+    info = sa.save_state(accelerator, root, 2)
+    assert info.metadata["layout"] == "safeckpt"
+    want = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    assert sa.load_state(accelerator, root) == 2 and torch.equal(model.weight, want)
+
+
+def test_two_threads_asking_at_once_share_one_manager(tmp_path, monkeypatch):
+    """Two threads (a training loop and a callback thread) asking for the manager of one
+    root at the same moment get the same one: two would be two writers of one root."""
+    import threading
+
+    from accelerate import Accelerator
+
+    made = []
+
+    class SlowManager(safeckpt.CheckpointManager):  # widens the window between looking and making
+        def __init__(self, *args, **kwargs):
+            time.sleep(0.3)
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(sa, "CheckpointManager", SlowManager)
+    accelerator = Accelerator(cpu=True)
+    got: list = []
+    threads = [threading.Thread(target=lambda: got.append(sa.checkpoint_manager(accelerator, tmp_path / "run")))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and got[0] is got[1] is made[0]
+    made[0].close()
+
+
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
     torch.set_num_threads(1)  # before the fork: the killed run must not inherit an OpenMP pool
     child_main(json.loads(Path(sys.argv[1]).read_text()))

@@ -1,5 +1,6 @@
 """The Hugging Face Trainer and Accelerate with DeepSpeed ZeRO-2 (CPU accelerator):
-``SafeTrainer`` and ``safeckpt.integrations.accelerate`` killed mid-save, resumed
+``SafeTrainer`` and ``safeckpt.integrations.accelerate``, in their default layouts (the
+tools' own files, sealed) and in the safeckpt layout, killed mid-save, resumed
 bit-exactly in a fresh process.
 
 Each run is a fresh process (tests/helpers/ds_trainer_child.py): a tiny GPT-2 from a
@@ -70,7 +71,20 @@ def kill_then_resume(tmp_path: Path, point: str, reference: dict, kind: str = "s
 
 
 def test_safetrainer_zero2_killed_before_seal_resumes_bit_exact(tmp_path, reference):
+    """The default layout: the Trainer's files and DeepSpeed's own tag, one seal."""
     out = kill_then_resume(tmp_path, "seal", reference)
+    newest = out / "checkpoint-8"
+    m = read_committed(LocalStorage(newest))
+    assert {"trainer_state.json", "latest", "rng_state.pth", "global_step8/mp_rank_00_model_states.pt",
+            "global_step8/zero_pp_rank_0_mp_rank_00_optim_states.pt"} <= set(m.files)
+    assert not [n for n in m.files if "manifest" in n]  # DeepSpeed wrote its tag itself
+    assert safeckpt.verify(str(newest)).ok
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-6", "checkpoint-8"]  # save_total_limit=2
+
+
+@pytest.mark.slow
+def test_safetrainer_safeckpt_layout_zero2_killed_before_seal_resumes_bit_exact(tmp_path, reference):
+    out = kill_then_resume(tmp_path, "seal", reference, kind="safeckpt")
     # the newest checkpoint: one commit over the model, global_step8/, latest, RNG and trainer state
     newest = out / "checkpoint-8"
     m = read_committed(LocalStorage(newest))
@@ -84,7 +98,7 @@ def test_safetrainer_zero2_killed_before_seal_resumes_bit_exact(tmp_path, refere
 
 @pytest.mark.slow
 def test_safetrainer_zero2_killed_inside_deepspeed_save_resumes_bit_exact(tmp_path, reference):
-    kill_then_resume(tmp_path, "tag", reference)
+    kill_then_resume(tmp_path, "tag", reference, kind="safeckpt")
 
 
 @pytest.mark.slow
@@ -103,12 +117,15 @@ def accelerate_reference(tmp_path_factory, deepspeed_ops) -> dict:
     return json.loads((folder / "result.json").read_text())
 
 
-@pytest.mark.parametrize("point,resumes_at", [("tag", 4), pytest.param("seal", 6, marks=pytest.mark.slow)])
-def test_accelerate_zero2_killed_mid_save_resumes_bit_exact(tmp_path, accelerate_reference, point, resumes_at):
+@pytest.mark.parametrize("layout,point,resumes_at", [
+    ("accelerate", "seal", 4), pytest.param("safeckpt", "tag", 4, marks=pytest.mark.slow),
+    pytest.param("safeckpt", "seal", 6, marks=pytest.mark.slow)])
+def test_accelerate_zero2_killed_mid_save_resumes_bit_exact(tmp_path, accelerate_reference, layout, point,
+                                                            resumes_at):
     root = tmp_path / "run"
-    killed = child("killed", str(root), point, script="ds_accelerate_child.py")
+    killed = child("killed", str(root), point, layout, script="ds_accelerate_child.py")
     assert killed.returncode == -9, f"not killed (exit {killed.returncode}):\n{killed.stderr[-4000:]}"
-    resumed = child("resume", str(root), str(tmp_path / "result.json"), script="ds_accelerate_child.py")
+    resumed = child("resume", str(root), str(tmp_path / "result.json"), layout, script="ds_accelerate_child.py")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     got = json.loads((tmp_path / "result.json").read_text())
     assert got["start"] == resumes_at
@@ -119,5 +136,7 @@ def test_accelerate_zero2_killed_mid_save_resumes_bit_exact(tmp_path, accelerate
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-000000006", "step-000000008"]
     newest = root / "step-000000008"
     m = read_committed(LocalStorage(newest))
-    assert {"pytorch_model/mp_rank_00_model_states.pt", "pytorch_model/manifest-000001.json"} <= set(m.files)
+    assert "pytorch_model/mp_rank_00_model_states.pt" in m.files
+    # the safeckpt layout commits DeepSpeed's tag on its own too; the default leaves it stock
+    assert ("pytorch_model/manifest-000001.json" in m.files) == (layout == "safeckpt")
     assert safeckpt.verify(str(newest)).ok

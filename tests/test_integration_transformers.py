@@ -2,10 +2,12 @@
 
 A tiny GPT-2 built from a config (no download) trains 8 steps on generated tokens,
 saving every 2 steps (an evaluation before each save picks a best checkpoint). Real
-child processes are SIGKILLed during the save of step 6: one run with
-``SafeCheckpointCallback`` (killed inside ``on_save``, before the seal), one
-``SafeTrainer`` run (killed before its seal). ``last_checkpoint`` must skip the
-torn ``checkpoint-6`` with a warning, and a fresh process that starts from a
+child processes are SIGKILLed during the save of step 6, after the Trainer wrote its
+files and before the seal, one per integration: a ``Trainer`` with
+``SafeCheckpointCallback``, ``SafeTrainer`` (the Trainer's own files, its default)
+and ``SafeTrainer(checkpoint_layout="safeckpt")``. ``last_checkpoint`` must skip the
+torn ``checkpoint-6`` with a warning, ``from_pretrained`` must load ``checkpoint-4``
+with the weights the run had at step 4, and a fresh process that starts from a
 *different* random model and resumes from ``checkpoint-4`` must end with weights
 ``torch.equal`` to an uninterrupted run and the same losses, step for step.
 
@@ -84,13 +86,20 @@ def _args(out: str):
         dataloader_num_workers=0)
 
 
+#: how each kind of run checkpoints: a Trainer with the callback, SafeTrainer (its default
+#: layout) and SafeTrainer with the safeckpt layout
+KINDS = ("callback", "safe", "safeckpt")
+
+
 def _trainer(kind: str, out: str, model_seed: int, callbacks=()):
     from transformers import Trainer
 
-    cls = hf.SafeTrainer if kind == "safe" else Trainer
-    cbs = list(callbacks) + ([hf.SafeCheckpointCallback()] if kind == "callback" else [])
-    return cls(model=_model(model_seed), args=_args(out), train_dataset=_Tokens(),
-               eval_dataset=_Tokens(16, seed=1), callbacks=cbs)
+    data = {"model": _model(model_seed), "args": _args(out), "train_dataset": _Tokens(),
+            "eval_dataset": _Tokens(16, seed=1)}
+    if kind == "callback":
+        return Trainer(**data, callbacks=[*callbacks, hf.SafeCheckpointCallback()])
+    layout = "safeckpt" if kind == "safeckpt" else "trainer"
+    return hf.SafeTrainer(**data, callbacks=list(callbacks), checkpoint_layout=layout)
 
 
 def _losses(trainer) -> dict[str, float]:
@@ -111,40 +120,45 @@ def _die() -> None:
     time.sleep(60)
 
 
-def child_callback_killed(arg: str) -> None:
-    """Train with SafeCheckpointCallback; SIGKILL inside on_save of step KILL_AT, after
-    the Trainer wrote checkpoint-6 and before the seal. ``arg``: the output dir, or
-    ``DIR:external`` where the parent kills from outside as soon as checkpoint-6
-    appears (a pause before the seal makes sure it can)."""
-    from transformers import TrainerCallback
+class _RecordStep4:
+    """The weights a run holds when it saves step 4, kept aside for from_pretrained."""
 
-    out, _, how = arg.partition(":")
+    def __init__(self, out: str) -> None:
+        from transformers import TrainerCallback
 
-    class KillBeforeSeal(TrainerCallback):  # listed before SafeCheckpointCallback
-        def on_save(self, args, state, control, **kwargs):
-            if state.global_step == KILL_AT:
-                if how == "external":
-                    time.sleep(30)
-                _die()
-
-    _trainer("callback", out, model_seed=0, callbacks=[KillBeforeSeal()]).train()
-    raise AssertionError("the run was not killed")
+        class Record(TrainerCallback):
+            def on_save(self, args, state, control, model=None, **kwargs):
+                if state.global_step == 4:
+                    safeckpt.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+                                  out + "-step4", process_group=SingleGroup())
+        self.callback = Record()
 
 
-def child_safe_killed(arg: str) -> None:
-    """Train with SafeTrainer and SIGKILL during the save of step KILL_AT. ``arg`` is
-    ``DIR`` or ``DIR:POINT``: ``seal`` (default; its tensors are committed,
-    trainer_state.json not yet covered), ``commit`` (data written, no manifest at all),
-    ``data`` (part of the data file written)."""
+def child_killed(arg: str) -> None:
+    """Train and die during the save of step KILL_AT. ``arg``: ``KIND:DIR[:POINT]``.
+    Points: ``seal`` (default; the Trainer's files written, before the seal), ``files``
+    (in the middle of the Trainer's optimizer.pt), ``external`` (callback: the parent
+    kills from outside as soon as checkpoint-6 appears, a pause before the seal makes
+    sure it can), and for the safeckpt layout ``commit`` (its data written, no manifest
+    at all) and ``data`` (part of its data file written)."""
+    from kill_points import die_writing
+
     from safeckpt.storage.local import LocalStorage
 
-    out, _, point = arg.partition(":")
-    point = point or "seal"
-    real = LocalStorage.write_file
+    kind, out, point = (arg.split(":") + ["seal"])[:3]
+    torn = f"checkpoint-{KILL_AT}"
+    real_seal, real_write = hf.seal, LocalStorage.write_file
+
+    def seal(path, **kwargs):
+        if point in ("seal", "external") and str(path).endswith(torn):
+            if point == "external":
+                time.sleep(30)
+            _die()
+        return real_seal(path, **kwargs)
 
     def write_file(self, name, parts):
-        if self.path.endswith(f"checkpoint-{KILL_AT}"):
-            if (point, name) in (("seal", "manifest-000002.json"), ("commit", "manifest-000001.json")):
+        if self.path.endswith(torn) and kind == "safeckpt":
+            if point == "commit" and name == "manifest-000001.json":
                 _die()
             if point == "data" and name.startswith("data-"):
                 def some_then_die():
@@ -152,11 +166,13 @@ def child_safe_killed(arg: str) -> None:
                         yield part
                         if i >= 1:
                             _die()
-                return real(self, name, some_then_die())
-        return real(self, name, parts)
+                return real_write(self, name, some_then_die())
+        return real_write(self, name, parts)
 
-    LocalStorage.write_file = write_file
-    _trainer("safe", out, model_seed=0).train()
+    hf.seal, LocalStorage.write_file = seal, write_file
+    if point == "files":
+        die_writing(f"{torn}/optimizer.pt", _die)
+    _trainer(kind, out, model_seed=0, callbacks=[_RecordStep4(out).callback]).train()
     raise AssertionError("the run was not killed")
 
 
@@ -167,7 +183,7 @@ def child_resume(plan: str) -> None:
     results = {}
     for kind, folder, ckpt, weights in p["resume"]:
         t = _trainer(kind, folder, model_seed=1234)
-        t.train(resume_from_checkpoint=ckpt)
+        t.train(resume_from_checkpoint=ckpt if kind == "callback" else True)  # SafeTrainer: last_checkpoint
         results[kind] = _result(t, weights)
     if p.get("ref_dir"):
         t = _trainer("callback", p["ref_dir"], model_seed=0)
@@ -181,7 +197,7 @@ def child_ddp(plan: str) -> None:
     the callback; rank 0 writes what they ended with."""
     p = json.loads(Path(plan).read_text())
     results = {}
-    for kind in ("safe", "callback"):
+    for kind in KINDS:
         t = _trainer(kind, p[f"{kind}_dir"], model_seed=77 if p["resume"] else 0)
         t.train(resume_from_checkpoint=p.get(f"{kind}_ckpt"))
         results[kind] = _result(t, p[f"{kind}_weights"]) if t.args.process_index == 0 else None
@@ -189,8 +205,7 @@ def child_ddp(plan: str) -> None:
         Path(p["out"]).write_text(json.dumps(results))
 
 
-CHILDREN = {"callback_killed": child_callback_killed, "safe_killed": child_safe_killed,
-            "resume": child_resume, "ddp": child_ddp}
+CHILDREN = {"killed": child_killed, "resume": child_resume, "ddp": child_ddp}
 
 
 class ForkServer:
@@ -299,13 +314,14 @@ def server():
     srv.close()
 
 
-def _kill_run(server, kind: str, arg: str, log: str, external: str | None = None) -> None:
-    """Fork a run that must end SIGKILLed during the save of step KILL_AT; with
+def _kill_run(server, kind: str, folder: str, point: str, log: str) -> None:
+    """Fork a run that must end SIGKILLed during the save of step KILL_AT; with point
     ``external``, the parent kills it as soon as that folder exists."""
-    pid = server.fork(f"{kind}_killed", arg, log)
-    if external is not None:
+    pid = server.fork("killed", f"{kind}:{folder}:{point}", log)
+    if point == "external":
+        torn = os.path.join(folder, f"checkpoint-{KILL_AT}")
         deadline = time.monotonic() + 120
-        while not os.path.isdir(external) and time.monotonic() < deadline:
+        while not os.path.isdir(torn) and time.monotonic() < deadline:
             time.sleep(0.001)
         os.kill(pid, signal.SIGKILL)
     code, out = server.wait(pid, log)
@@ -313,7 +329,19 @@ def _kill_run(server, kind: str, arg: str, log: str, external: str | None = None
 
 
 def _after_kill(folder: str) -> dict:
-    return {"sealed": _steps(folder, True), "unsealed": _steps(folder, False), "last": _last(folder)}
+    return {"sealed": _steps(folder, True), "unsealed": _steps(folder, False), "last": _last(folder),
+            "pretrained": _pretrained_matches_step4(folder)}
+
+
+def _pretrained_matches_step4(folder: str) -> bool:
+    """The stock tool reads the previous checkpoint: from_pretrained gives the weights
+    the killed run held when it saved step 4."""
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(os.path.join(folder, "checkpoint-4"))
+    want = safeckpt.load_state(folder + "-step4")
+    got = model.state_dict()
+    return want.keys() <= got.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def _resume(server, base: Path, name: str, resume: list, ref: bool) -> dict:
@@ -330,24 +358,24 @@ def _resume(server, base: Path, name: str, resume: list, ref: bool) -> dict:
 @pytest.fixture(scope="module")
 def runs(server, tmp_path_factory):
     base = tmp_path_factory.mktemp("hf")
-    dirs = {k: str(base / k) for k in ("callback", "safe", "ref")}
-    # both killed runs at once (two cores), then one process resumes both and runs the reference
-    pids = {kind: server.fork(f"{kind}_killed", dirs[kind], str(base / f"{kind}.log"))
-            for kind in ("callback", "safe")}
+    dirs = {k: str(base / k) for k in (*KINDS, "ref")}
+    # the killed runs at once, then one process resumes them all and runs the reference
+    pids = {kind: server.fork("killed", f"{kind}:{dirs[kind]}", str(base / f"{kind}.log")) for kind in KINDS}
     after_kill = {}
     for kind, pid in pids.items():
         code, out = server.wait(pid, str(base / f"{kind}.log"))
         assert code == -signal.SIGKILL, f"the {kind} run was not killed (exit {code}):\n{out[-3000:]}"
         after_kill[kind] = _after_kill(dirs[kind])
-    resume = [(kind, dirs[kind], after_kill[kind]["last"][0], str(base / f"w-{kind}"))
-              for kind in ("callback", "safe")]
+    resume = [(kind, dirs[kind], after_kill[kind]["last"][0], str(base / f"w-{kind}")) for kind in KINDS]
     results = _resume(server, base, "resume", resume, ref=True)
     return {"dirs": dirs, "after_kill": after_kill, "results": results, "base": base}
 
 
 def _check_resumed(after_kill: dict, folder: str, res: dict, ref: dict) -> None:
+    assert after_kill["sealed"] == [2, 4] and after_kill["unsealed"] == [KILL_AT], after_kill
     last, messages = after_kill["last"]
     assert last == os.path.join(folder, "checkpoint-4"), (last, messages)
+    assert after_kill["pretrained"], "from_pretrained(checkpoint-4) did not give the step-4 weights"
     torn = os.path.join(folder, f"checkpoint-{KILL_AT}")
     assert any(torn in m and "not sealed" in m for m in messages), messages
     assert res["losses"] == ref["losses"], "the resumed run's losses differ from the uninterrupted run's"
@@ -358,30 +386,29 @@ def _check_resumed(after_kill: dict, folder: str, res: dict, ref: dict) -> None:
         assert torch.equal(got[name], want[name]), f"{name} differs from the uninterrupted run"
 
 
-def test_callback_kill_skips_torn_checkpoint_and_resume_is_exact(runs):
-    ak = runs["after_kill"]["callback"]
-    assert ak["sealed"] == [2, 4] and ak["unsealed"] == [KILL_AT]  # the Trainer wrote it, never sealed
-    _check_resumed(ak, runs["dirs"]["callback"], runs["results"]["callback"], runs["results"]["ref"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_kill_before_seal_skips_torn_checkpoint_and_resume_is_exact(runs, kind):
+    _check_resumed(runs["after_kill"][kind], runs["dirs"][kind], runs["results"][kind], runs["results"]["ref"])
 
 
 def _expected_kept(best: str) -> list[int]:
+    """save_total_limit=2 as the Trainer counts it: the best one among the two kept."""
     best_step = int(best.rsplit("-", 1)[1])
     assert best_step < STEPS - SAVE_EVERY, "the best checkpoint must be an old one for this test to mean anything"
-    return sorted({STEPS - SAVE_EVERY, STEPS, best_step})
+    return [best_step, STEPS]
 
 
-def test_callback_rotation_keeps_limit_and_best(runs):
-    """save_total_limit=2 with an old best checkpoint: the newest two sealed plus the
-    best survive, in the resumed run and in the uninterrupted one; the Trainer itself
-    deleted nothing (no unsealed leftovers)."""
-    for kind in ("callback", "ref"):
-        folder = runs["dirs"][kind]
-        best = runs["results"][kind]["best"]
-        assert os.path.dirname(best) == folder
-        assert _steps(folder) == _expected_kept(best), kind
-        assert _steps(folder, sealed=False) == []
-        for step in _steps(folder):
-            assert safeckpt.verify(os.path.join(folder, f"checkpoint-{step}")).ok
+@pytest.mark.parametrize("kind", [*KINDS, "ref"])
+def test_rotation_keeps_what_the_trainer_keeps_and_the_best(runs, kind):
+    """save_total_limit=2 with an old best checkpoint: the best and the newest survive,
+    in each resumed run and in the uninterrupted one, all sealed and intact."""
+    folder = runs["dirs"][kind]
+    best = runs["results"][kind]["best"]
+    assert os.path.dirname(best) == folder
+    assert _steps(folder) == _expected_kept(best)
+    assert _steps(folder, sealed=False) == []
+    for step in _steps(folder):
+        assert safeckpt.verify(os.path.join(folder, f"checkpoint-{step}")).ok
 
 
 def test_flipped_byte_in_sealed_checkpoint_is_skipped(runs, tmp_path):
@@ -392,41 +419,46 @@ def test_flipped_byte_in_sealed_checkpoint_is_skipped(runs, tmp_path):
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))  # same size: only a full checksum finds it
     last, messages = _last(folder)
-    assert last == str(folder / "checkpoint-6")
+    assert last == runs["results"]["ref"]["best"].replace(runs["dirs"]["ref"], str(folder))
     assert any(str(folder / "checkpoint-8") in m and "corrupt" in m for m in messages), messages
 
 
-def test_safetrainer_kill_resume_is_exact_and_verifiable(runs):
-    folder = runs["dirs"]["safe"]
-    ak = runs["after_kill"]["safe"]
-    assert ak["sealed"] == [2, 4] and ak["unsealed"] == [KILL_AT]
-    _check_resumed(ak, folder, runs["results"]["safe"], runs["results"]["ref"])
-    assert _steps(folder) == _expected_kept(runs["results"]["safe"]["best"])
-    assert _steps(folder, sealed=False) == []
+TRAINER_FILES = {"model.safetensors", "config.json", "generation_config.json", "optimizer.pt", "scheduler.pt",
+                 "rng_state.pth", "training_args.bin", "trainer_state.json"}
+
+
+@pytest.mark.parametrize("kind", ["callback", "safe"])
+def test_default_checkpoints_hold_the_trainers_own_files(runs, kind):
+    for step in _steps(runs["dirs"][kind]):
+        path = os.path.join(runs["dirs"][kind], f"checkpoint-{step}")
+        sealed = hf._committed(path)
+        assert not isinstance(sealed, str), sealed
+        assert set(sealed.files) == TRAINER_FILES  # each one sealed, nothing renamed or added
+
+
+def test_safeckpt_layout_holds_model_files_and_no_pickle(runs):
+    folder = runs["dirs"]["safeckpt"]
     for step in _steps(folder):
         path = os.path.join(folder, f"checkpoint-{step}")
-        report = safeckpt.verify(path)
-        assert report.ok, report.problems
         names = os.listdir(path)
-        assert "trainer_state.json" in names
+        assert {"model.safetensors", "config.json", "trainer_state.json"} <= set(names)
         assert not [n for n in names if n.endswith((".pt", ".pth", ".bin", ".pkl"))], names
         state = safeckpt.load_state(path)
-        assert {"model", "optimizer", "scheduler", "rng", "trainer_state"} <= state.keys()
+        assert {"optimizer", "scheduler", "rng", "trainer_state"} <= state.keys() and "model" not in state
         assert state["trainer_state"]["global_step"] == step
         assert set(state["rng"]) >= {"python", "numpy", "cpu"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,point", [("callback", "external"), ("safe", "commit"), ("safe", "data")])
+@pytest.mark.parametrize("kind,point", [("callback", "external"), ("callback", "files"), ("safe", "files"),
+                                        ("safeckpt", "commit"), ("safeckpt", "data")])
 def test_kill_at_other_moments_then_resume_is_exact(server, runs, tmp_path, kind, point):
     """More kill moments: from outside as soon as the Trainer creates checkpoint-6 (the
-    kill lands while it writes its files); SafeTrainer before its tensors commit, and
-    in the middle of its data file."""
+    callback pauses before its seal); half way through the Trainer's optimizer.pt; the
+    safeckpt layout before its tensors commit, and in the middle of its data file."""
     folder = str(tmp_path / kind)
-    external = os.path.join(folder, f"checkpoint-{KILL_AT}") if point == "external" else None
-    _kill_run(server, kind, f"{folder}:{point}", str(tmp_path / "killed.log"), external=external)
+    _kill_run(server, kind, folder, point, str(tmp_path / "killed.log"))
     ak = _after_kill(folder)
-    assert ak["sealed"] == [2, 4] and ak["unsealed"] == [KILL_AT], ak
     res = _resume(server, tmp_path, "resume", [(kind, folder, ak["last"][0], str(tmp_path / "w"))], ref=False)
     _check_resumed(ak, folder, res[kind], runs["results"]["ref"])
     assert _steps(folder) == _expected_kept(res[kind]["best"]) and _steps(folder, sealed=False) == []
@@ -434,12 +466,12 @@ def test_kill_at_other_moments_then_resume_is_exact(server, runs, tmp_path, kind
 
 @pytest.mark.slow
 def test_ddp_two_cpu_ranks_seal_and_resume_exactly(tmp_path):
-    """torchrun, two gloo ranks: every rank's files are sealed (the callback waits for
-    the per-rank RNG files), SafeTrainer writes one checkpoint from both ranks with
-    per-rank RNG states, and both resume mid-epoch to the uninterrupted result."""
+    """torchrun, two gloo ranks: every rank's files are sealed (the seal waits for the
+    per-rank RNG files), the safeckpt layout writes one checkpoint from both ranks with
+    per-rank RNG states, and all resume mid-epoch to the uninterrupted result."""
     src = str(Path(safeckpt.__file__).resolve().parent.parent)
     env = {**os.environ, **CHILD_ENV, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    dirs = {k: str(tmp_path / k) for k in ("safe", "callback")}
+    dirs = {k: str(tmp_path / k) for k in KINDS}
 
     def torchrun(name: str, resume: bool) -> dict:
         plan = {"out": str(tmp_path / f"{name}.json"), "resume": resume}
@@ -462,9 +494,10 @@ def test_ddp_two_cpu_ranks_seal_and_resume_exactly(tmp_path):
         for step in _steps(dirs[kind]):
             path = os.path.join(dirs[kind], f"checkpoint-{step}")
             assert safeckpt.verify(path).ok and hf.checkpoint_problem(path) is None
-    sealed = hf._committed(os.path.join(dirs["callback"], "checkpoint-8")).files
-    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(sealed)  # rank 1's file too
-    safe8 = safeckpt.load_state(os.path.join(dirs["safe"], "checkpoint-8"))
+    for kind in ("callback", "safe"):
+        sealed = hf._committed(os.path.join(dirs[kind], "checkpoint-8")).files
+        assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(sealed)  # rank 1's file too
+    safe8 = safeckpt.load_state(os.path.join(dirs["safeckpt"], "checkpoint-8"))
     assert len(safe8["rng"]) == 2  # one RNG state per rank
     second = torchrun("second", resume=True)
     for kind in dirs:
@@ -491,14 +524,6 @@ def test_unsupported_transformers_version_is_refused(monkeypatch):
         hf.SafeTrainer(model=None)  # refused before the Trainer does anything
 
 
-def test_take_over_rotation_is_idempotent():
-    class Args:
-        save_total_limit = 3
-    args = Args()
-    assert hf.take_over_rotation(args) == 3 and args.save_total_limit is None
-    assert hf.take_over_rotation(args) == 3 and args.save_total_limit is None
-
-
 def _fake_checkpoint(root, step: int, sealed: bool = True) -> str:
     path = root / f"checkpoint-{step}"
     path.mkdir(parents=True)
@@ -509,28 +534,39 @@ def _fake_checkpoint(root, step: int, sealed: bool = True) -> str:
     return str(path)
 
 
-def test_rotate_keeps_newest_and_best_and_never_touches_unsealed(tmp_path):
+def test_rotate_counts_like_the_trainer_and_never_touches_unsealed(tmp_path):
+    """The Trainer's rule (keep max(limit, protected), the newest and the best
+    protected) over sealed folders only."""
     paths = {s: _fake_checkpoint(tmp_path, s, sealed=(s != 3)) for s in range(1, 6)}
-    deleted = hf.rotate(str(tmp_path), 2, best=paths[2], just_saved=paths[5])
-    assert sorted(deleted) == [paths[1]]  # 4 and 5 newest, 2 best, 3 not sealed
-    assert [s for s, _ in hf._checkpoints(tmp_path)] == [2, 3, 4, 5]
     assert hf.rotate(str(tmp_path), None, best=None, just_saved=None) == []
-    assert hf.rotate(str(tmp_path), 1, best=None, just_saved=paths[4]) == [paths[2]]  # newest and just saved stay
+    deleted = hf.rotate(str(tmp_path), 2, best=paths[2], just_saved=paths[5])
+    assert sorted(deleted) == [paths[1], paths[4]]  # 5 newest, 2 best; 3 not sealed: not counted
+    assert [s for s, _ in hf._checkpoints(tmp_path)] == [2, 3, 5]
+    assert hf.rotate(str(tmp_path), 1, best=paths[2], just_saved=paths[5]) == []  # both protected
+    assert hf.rotate(str(tmp_path), 1, best=None, just_saved=paths[5]) == [paths[2]]
+    assert [s for s, _ in hf._checkpoints(tmp_path)] == [3, 5]
 
 
-def test_callback_unseals_a_folder_before_the_trainer_rewrites_it(tmp_path):
+def test_rotate_keeps_the_one_just_saved_below_a_newer_sealed_one(tmp_path):
+    """A resumed run re-saving step 4 while an older run's sealed 6 is still there:
+    neither the newest sealed one nor the one just saved is deleted."""
+    paths = {s: _fake_checkpoint(tmp_path, s) for s in (2, 4, 6)}
+    assert hf.rotate(str(tmp_path), 1, best=None, just_saved=paths[4]) == [paths[2]]
+
+
+def test_callback_removes_a_stale_folder_and_pauses_the_trainers_rotation_only_while_saving(tmp_path):
     from types import SimpleNamespace
 
     path = _fake_checkpoint(tmp_path, 6)
     cb = hf.SafeCheckpointCallback()
-    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True, save_total_limit=2)
-    cb.on_init_end(args, None, None)
-    assert args.save_total_limit is None and cb.save_total_limit == 2
-    cb.on_step_end(args, SimpleNamespace(global_step=6), SimpleNamespace(should_save=False))
-    assert hf.checkpoint_problem(path) is None  # not saving this step: left alone
-    cb.on_step_end(args, SimpleNamespace(global_step=6), SimpleNamespace(should_save=True))
-    assert "not sealed" in hf.checkpoint_problem(path)
-    assert sorted(os.listdir(path)) == ["model.safetensors", "trainer_state.json"]
+    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True, save_total_limit=2, save_strategy="steps")
+    cb.on_step_end(args, SimpleNamespace(global_step=6), SimpleNamespace(should_save=False, should_evaluate=False))
+    assert hf.checkpoint_problem(path) is None and args.save_total_limit == 2  # not saving this step
+    cb.on_step_end(args, SimpleNamespace(global_step=6), SimpleNamespace(should_save=True, should_evaluate=False))
+    assert not os.path.exists(path)  # an older run's folder of this step: gone, manifest first
+    assert args.save_total_limit is None  # the Trainer does not rotate before the seal
+    cb.on_step_begin(args, SimpleNamespace(global_step=7), None)  # the window ended without a save
+    assert args.save_total_limit == 2
 
 
 # ----------------------------------------------------------------------------- seal
@@ -580,6 +616,7 @@ def test_seal_refuses_empty_folders_and_unnameable_files(tmp_path):
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
     if sys.argv[1:] == ["serve"]:
         serve()
     else:  # run one child mode directly (debugging)

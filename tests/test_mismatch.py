@@ -272,6 +272,44 @@ def test_module_strict_false_loads_the_rest(ckpt):
     assert torch.equal(target.block.extra, torch.full((4,), 9.0))
 
 
+class SeenLog(nn.Module):
+    """Logs what it has seen in a buffer that grows, and resizes it when loading (what
+    the Trainer's resume tests do): its own ``load_state_dict`` must get the saved
+    state, whose shapes differ from the fresh module's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.register_buffer("seen", torch.empty(0, dtype=torch.long))
+        self.calls: list[bool] = []
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        self.calls.append(strict)
+        if state_dict["seen"].shape != self.seen.shape:
+            self.seen = state_dict["seen"].clone()
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def test_module_with_its_own_load_state_dict_gets_the_saved_state_through_it(ckpt):
+    torch.manual_seed(0)
+    saved = SeenLog()
+    saved.seen = torch.arange(12)
+    safeckpt.save({"model": saved, "epoch": 3}, ckpt)
+    target = SeenLog()
+    state = {"model": target, "epoch": 0}
+    safeckpt.load(state, ckpt)
+    assert target.calls == [True] and state["epoch"] == 3
+    assert torch.equal(target.seen, torch.arange(12)) and torch.equal(target.fc.weight, saved.fc.weight)
+    assert target.state_dict().keys() == saved.state_dict().keys()
+
+
+def test_module_with_its_own_load_state_dict_still_refuses_what_it_refuses(ckpt):
+    safeckpt.save({"model": nn.Linear(3, 3)}, ckpt)
+    target = SeenLog()
+    with pytest.raises(safeckpt.StateMismatchError, match="SeenLog.load_state_dict rejected"):
+        safeckpt.load({"model": target}, ckpt)  # its own strict load: the keys differ
+
+
 # --------------------------------------------------------------------------- optimizers
 
 

@@ -553,6 +553,45 @@ def test_a_write_that_fails_midway_leaves_nothing(store):
         assert not uploads.get("Uploads"), "the failed multipart upload was not aborted"
 
 
+def test_a_replacement_is_one_conditional_upload_of_the_final_object(s3store, monkeypatch):
+    """``open_replace`` on S3 (Lightning's ``last.ckpt``): the object appears whole when
+    its upload completes (a multipart upload here), and the upload is conditional on the
+    version it started from, so another writer's object is never silently overwritten."""
+    storage = s3store.storage("replace", part_size=5 * MiB, parallel_parts=2)
+    storage.replace_file("last.ckpt", [b"old"])
+    big = bytes(range(256)) * (11 * MiB // 256)  # three parts
+    with storage.open_replace("last.ckpt") as out:
+        out.write(memoryview(big)[:7 * MiB])
+        out.write(memoryview(big)[7 * MiB:])
+        assert storage.read("last.ckpt") == b"old", "the new object showed before its upload completed"
+    assert storage.read("last.ckpt") == big and storage.listdir() == {"last.ckpt": len(big)}
+    # one PUT, then a multipart upload (moto 5 ignores If-Match on CompleteMultipartUpload,
+    # which AWS and SeaweedFS honour)
+    for size in (10, 11 * MiB) if s3store.kind != "moto" else (10,):
+        out = storage.open_replace("last.ckpt")
+        out.write(b"o" * size)
+        theirs = f"theirs, against {size}".encode()
+        s3store.put(storage.url + "/last.ckpt", theirs)  # another writer, meanwhile
+        with pytest.raises(safeckpt.StorageError, match="another writer changed it"):
+            out.commit()
+        assert storage.read("last.ckpt") == theirs
+    uploads = storage._call("list_multipart_uploads", Bucket=storage.bucket, Prefix=storage.prefix)
+    assert not uploads.get("Uploads"), "a refused multipart replacement was not aborted"
+
+    # a store that does not implement the condition (501): the upload goes through without it
+    real = storage._call
+    refused = []
+
+    def call(method, **kwargs):
+        if "IfMatch" in kwargs:
+            refused.append(method)
+            raise _fake_error(501, "NotImplemented")
+        return real(method, **kwargs)
+    monkeypatch.setattr(storage, "_call", call)
+    storage.replace_file("last.ckpt", [b"new"])
+    assert refused == ["put_object"] and storage.read("last.ckpt") == b"new"
+
+
 # -- crashes ------------------------------------------------------------------------------
 def test_seaweedfs_kill9_between_saves(seaweedfs_server):
     store = _s3_store(seaweedfs_server)

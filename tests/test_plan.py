@@ -311,3 +311,14 @@ def test_the_grid_check_decides_alike_in_any_row_order():
     for _ in range(20):
         perm = rng.permutation(len(t))
         assert grid_tensors(t[perm], o[perm], s[perm], 5).tolist() == [True, True, False, False, True]
+
+
+def test_empty_tensors_are_tiled_by_any_boxes_inside_them():
+    # DCP writes one empty chunk for an empty tensor; a sharded one has empty boxes on each rank
+    for shape, boxes in [((0,), [((0,), (0,))]), ((0, 3), [((0, 0), (0, 3))]), ((2, 0, 4), [((0, 0, 0), (2, 0, 4))]),
+                         ((4, 0), [((0, 0), (2, 0)), ((2, 0), (2, 0))]), ((3,), [((0,), (3,)), ((3,), (0,))])]:
+        check_coverage("t", shape, boxes)
+    with pytest.raises(PlanError, match="only piece"):  # a manifest's single chunk is the whole tensor
+        check_coverage("t", (4, 0), [((0, 0), (2, 0))])
+    with pytest.raises(PlanError, match="outside"):
+        check_coverage("t", (0, 3), [((1, 0), (0, 3)), ((0, 0), (0, 3))])

@@ -1,6 +1,7 @@
-"""The package's shape holds: no import cycles, no private names imported across
-modules, the command line starts without torch, and the public listing, ``safeckpt ls``
-and ``safeckpt verify`` name every folder state the same way."""
+"""The package's shape holds: no import cycles, no private names imported or private
+attributes reached into across modules, the command line starts without torch, and
+the public listing, ``safeckpt ls`` and ``safeckpt verify`` name every folder state
+the same way."""
 
 from __future__ import annotations
 
@@ -78,6 +79,52 @@ def test_no_private_name_is_imported_from_another_module():
         for target, names in _imports(path, module, is_package):
             if target and target.startswith("safeckpt"):
                 found += [f"{module}: {target}.{n}" for n in names if n.startswith("_") and n != "__version__"]
+    assert not found, found
+
+
+def _defined(tree: ast.AST) -> set[str]:
+    """Every name a module defines: its functions, classes and variables, and the
+    attributes it assigns (``self._x = ...``)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            out.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+    return out
+
+
+def _classes(tree: ast.AST) -> dict[str, tuple[list[str], set[str]]]:
+    """Each class a module defines: the names of its bases, and the names it defines."""
+    return {node.name: ([b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases],
+                        _defined(node)) for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+
+
+def test_no_module_reaches_into_another_modules_private_attributes():
+    """``obj._name`` (not on ``self`` or ``cls``) is for names the module itself defines
+    (another instance of its own class) or that a class it extends defines (a class
+    family shares its protected members); a private attribute or method of another
+    module's class is that module's business: it hands over a callable or gives it a
+    public name (``self.manager._check_lease()`` from another module was how this read
+    before)."""
+    trees = {module: ast.parse(path.read_text()) for module, (path, _) in _modules().items()}
+    classes = {name: info for tree in trees.values() for name, info in _classes(tree).items()}
+    allowed = {}
+    for module, tree in trees.items():
+        allowed[module] = _defined(tree)
+        bases = [b for own, _ in _classes(tree).values() for b in own]
+        while bases:  # what the classes it extends define, all the way up
+            base = bases.pop()
+            if base in classes:
+                allowed[module] |= classes[base][1]
+                bases += classes[base][0]
+    ours = set().union(*(_defined(tree) for tree in trees.values()))
+    found = sorted(f"{module}:{node.lineno}: .{node.attr}" for module, tree in trees.items() for node in ast.walk(tree)
+                   if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                   and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                   and node.attr in ours and node.attr not in allowed[module])
     assert not found, found
 
 

@@ -31,6 +31,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -54,13 +55,16 @@ from .protocol.commit import (check_visible, data_file_name, describe_error, fil
 from .protocol.datafile import WrittenPiece, plan_layout, write_data_file
 from .errors import (CheckpointError, CorruptCheckpointError, SaveAbortedError,
                      UnsupportedFeatureError)
-from .format.manifest import WRITE_VERSION, Chunk, DcpRecord, FileEntry, Manifest, TensorEntry, encode_values
+from .format.manifest import (MAPPING_TAGS, WRITE_VERSION, Chunk, DcpRecord, FileEntry, Manifest, TensorEntry,
+                               children, dcp_nodes, encode_values)
 from .format.plan import PlanError, check_coverage
 from .protocol.reader import TensorReader
-from .protocol.state import Read, flatten
+from .protocol.state import LoadPlanner as ValuePlanner, Read, flatten
 from .storage import Storage
 from .storage import open as open_storage
-from .format.tensors import dtype_from_name, dtype_name
+from .format.tensors import byte_view, dtype_from_name, dtype_name
+from .format.transformed import TRANSFORMED_VERSION, StoredChunk
+from .protocol import transforms
 
 __all__ = ["Writer", "Reader", "dcp_to_torch_save", "UnsupportedFeatureError"]
 
@@ -86,6 +90,7 @@ class _Written:
     checksums: list[str]
     shape: list[int]
     dtype: str
+    transforms: list[str]  # the stream transforms its stored bytes went through (none: the tensor's bytes)
 
 
 @dataclass
@@ -123,17 +128,20 @@ class Writer(StorageWriter, BlockingAsyncStager):
     ``meta.pt``); read it back with ``safeckpt.load_state(path, keys=[...])``.
     For ``dcp.async_save`` it stages the state in host memory as DCP's
     ``FileSystemWriter`` does (``cache_staged_state_dict`` keeps the staging copy, pinned,
-    for the next save). ``_extensions`` (DCP's stream transforms) are not supported."""
+    for the next save). ``_extensions`` are DCP's stream transforms (``ZStandard()``
+    compresses), applied to every tensor chunk DCP writes: the manifest records them and
+    the checksums of the stored bytes; values stay in the manifest as they are."""
 
     def __init__(self, path: PathLike, *, storage_options: dict | None = None, overwrite: bool = True,
                  step: int | None = None, metadata: dict | None = None, extra: dict | None = None,
-                 cache_staged_state_dict: bool = False, _extensions: Any = None) -> None:
+                 cache_staged_state_dict: bool = False, _extensions: Sequence[Any] | None = None) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
-        if _extensions:
-            raise UnsupportedFeatureError(
-                "safeckpt.dcp.Writer does not support DCP's _extensions (stream transforms such as "
-                "compression): the data files are plain safetensors files; drop _extensions")
+        self.extensions = list(_extensions or [])
+        for ex in self.extensions:
+            if not all(callable(getattr(ex, m, None)) for m in ("transform_to", "get_descriptor")):
+                raise TypeError(f"_extensions must be torch.distributed.checkpoint stream transforms "
+                                f"(StreamTransformExtension), not {type(ex).__name__}")
         self.storage_options = dict(storage_options or {})
         self.overwrite = overwrite
         self.step = step
@@ -194,9 +202,10 @@ class Writer(StorageWriter, BlockingAsyncStager):
                 "storage_data in finish_plan?)")
         name = data_file_name(assigned.save_id, assigned.rank)
         try:
-            tensors, results = self._resolve(plan, planner)
+            resolved, results = self._resolve(plan, planner)
+            tensors = [self._stored(item, t) for item, t in resolved]
             if self.extra and assigned.rank == 0:
-                tensors += self._extra(results)
+                tensors += [(item, t, []) for item, t in self._extra(results)]
             if tensors:
                 results += self._write_tensors(name, assigned, tensors)
         except BaseException as exc:
@@ -262,11 +271,20 @@ class Writer(StorageWriter, BlockingAsyncStager):
                                                        TensorProperties(dtype=p.tensor.dtype), p.tensor.shape)),
                  p.tensor) for name, p in flat.pieces.items()]
 
+    def _stored(self, item: WriteItem, t: torch.Tensor) -> tuple[WriteItem, torch.Tensor, list[str]]:
+        """What a DCP tensor item stores: its bytes through the stream transforms, if any."""
+        if not self.extensions:
+            return item, t, []
+        data, descriptors = transforms.encode(self.extensions, byte_view(t.detach().cpu().contiguous()))
+        stored = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        return item, stored, descriptors
+
     def _write_tensors(self, name: str, assigned: _Assigned, tensors: list) -> list[WriteResult]:
-        keys = [item.index.fqn for item, _ in tensors]
+        keys = [item.index.fqn for item, _, _ in tensors]
         if len(set(keys)) < len(keys):  # several chunks of one tensor on this rank
-            keys = [f"{k}@{','.join(map(str, item.tensor_data.chunk.offsets))}" for k, (item, _) in zip(keys, tensors)]
-        layout = plan_layout([(k, t) for k, (_, t) in zip(keys, tensors)],
+            keys = [f"{k}@{','.join(map(str, item.tensor_data.chunk.offsets))}"
+                    for k, (item, _, _) in zip(keys, tensors)]
+        layout = plan_layout([(k, t) for k, (_, t, _) in zip(keys, tensors)],
                              file_metadata(assigned.save_id))
         written: list[WrittenPiece] = []
         size = write_data_file(self.storage, name, layout, written)
@@ -274,8 +292,8 @@ class Writer(StorageWriter, BlockingAsyncStager):
                           header_checksum=checksum(layout.header))
         return [WriteResult(item.index, w.end - w.start,
                             _Written(entry, w.start, w.end, w.checksums, list(item.tensor_data.chunk.sizes),
-                                     dtype_name(t.dtype)))
-                for (item, t), w in zip(tensors, written)]
+                                     dtype_name(item.tensor_data.properties.dtype), descriptors))
+                for (item, _, descriptors), w in zip(tensors, written)]
 
     def _manifest(self, metadata: Metadata, results: list[list[WriteResult]],
                   files: dict[str, FileEntry]) -> Manifest:
@@ -296,8 +314,9 @@ class Writer(StorageWriter, BlockingAsyncStager):
                 else:
                     dtypes[fqn] = data.dtype
                     offsets = list(r.index.offset) if r.index.offset is not None else [0] * len(data.shape)
+                    where = (data.file.name, data.start, data.end, data.checksums, offsets, data.shape)
                     chunks.setdefault(fqn, []).append(
-                        Chunk(data.file.name, data.start, data.end, data.checksums, offsets, data.shape))
+                        StoredChunk(*where, transforms=data.transforms) if data.transforms else Chunk(*where))
         tensors: dict[str, TensorEntry] = {}
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, BytesStorageMetadata):
@@ -324,7 +343,7 @@ class Writer(StorageWriter, BlockingAsyncStager):
             tree = _merge_extra(tree, extra, chunks, dtypes, tensors)
         return Manifest(save_id=self.save_id or "", seq=self.seq, created=time.time(), world_size=len(results),
                         files=files, tensors=tensors, tree=tree, step=self.step, metadata=self.metadata,
-                        version=WRITE_VERSION, dcp=DcpRecord({fqn: list(p) for fqn, p in paths.items()}, flattened, sorted(bytesio)))
+                        version=TRANSFORMED_VERSION if self.extensions else WRITE_VERSION, dcp=DcpRecord({fqn: list(p) for fqn, p in paths.items()}, flattened, sorted(bytesio)))
 
 
 def _merge_extra(tree: dict, extra: _Extra, chunks: dict[str, list[Chunk]], dtypes: dict[str, str],
@@ -388,43 +407,25 @@ def _paths(metadata: Metadata) -> tuple[dict[str, Path], bool]:
 # --------------------------------------------------------------------------- reading
 
 
-def _children(node: Any, where: str) -> dict:
+def _traversed(node: Any) -> bool:
+    """Whether DCP's flattening goes into a node: every mapping, and a list that holds a
+    tensor or such a container; anything else (a tuple too, whatever it holds) is one item."""
     tag = codec.tag_of(node)
-    if tag in ("object", "$dict", "$odict"):
-        return {str(k): v for k, v in codec.items_of(node, where, False)}
-    if tag in ("list", "$tuple"):
-        return dict(codec.items_of(node, where, False))
-    raise CorruptCheckpointError(f"{where}: expected a container")
+    return tag in MAPPING_TAGS or (tag == "list" and any(codec.tag_of(c) == "$tensor" or _traversed(c) for c in node))
 
 
-def _holds_tensors_or_maps(node: Any) -> bool:
-    """DCP's flattening walks a list when it holds tensors or mappings (at any depth)."""
-    tag = codec.tag_of(node)
-    if tag in ("$tensor", "object", "$dict", "$odict"):
-        return True
-    return tag in ("list", "$tuple") and any(_holds_tensors_or_maps(c) for c in _children(node, "").values())
-
-
-def _flat_items(node: Any, path: Path, out: dict[str, Path]) -> None:
-    """DCP's flattening of a tree saved by ``safeckpt.save`` (rank-local values skipped)."""
+def _flat_items(node: Any, path: Path, out: dict[str, Path], nodes: dict[str, Any]) -> None:
+    """DCP's flattening of a tree saved by ``safeckpt.save`` (rank-local values skipped):
+    each item's path and node."""
     tag = codec.tag_of(node)
     if tag == "$local":
         return
-    if tag in ("object", "$dict", "$odict") or (tag in ("list", "$tuple") and _holds_tensors_or_maps(node)):
-        for key, child in _children(node, ".".join(map(str, path))).items():
-            _flat_items(child, path + ((str(key) if tag not in ("list", "$tuple") else key),), out)
+    if _traversed(node):
+        for key, child in children(node, ".".join(map(str, path))).items():
+            _flat_items(child, path + (key,), out, nodes)
     elif path:
         out[".".join(map(str, path))] = path
-
-
-def _at(tree: Any, path: Path, where: str) -> Any:
-    node = tree
-    for part in path:
-        children = _children(node, where)
-        if part not in children:
-            raise CorruptCheckpointError(f"{where}: the dcp record names {list(path)}, which the tree lacks")
-        node = children[part]
-    return node
+        nodes[".".join(map(str, path))] = node
 
 
 class Reader(StorageReader):
@@ -432,9 +433,11 @@ class Reader(StorageReader):
     safeckpt checkpoint (written by ``Writer`` or by ``safeckpt.save``) through DCP,
     resharding as DCP's planner decides, every block checked."""
 
-    def __init__(self, path: PathLike, *, storage_options: dict | None = None) -> None:
+    def __init__(self, path: PathLike, *, storage_options: dict | None = None,
+                 _extension_registry: Any = None) -> None:
         super().__init__()
         self.storage_options = dict(storage_options or {})
+        self.extension_registry = _extension_registry  # DCP's default registry when None (knows ZStandard)
         self.storage: Storage = open_storage(path, **self.storage_options)
         self.reset()
 
@@ -456,10 +459,11 @@ class Reader(StorageReader):
             paths = {fqn: tuple(p) for fqn, p in manifest.dcp.items.items()}
             planner_data = manifest.dcp.planner_data
             self.bytesio = set(manifest.dcp.bytesio)
+            self.items = dcp_nodes(manifest.dcp, manifest.tree, where)
         else:
             paths, planner_data = {}, True
-            _flat_items(manifest.tree, (), paths)
-        self.items = {fqn: _at(manifest.tree, p, where) for fqn, p in paths.items()}
+            self.items = {}
+            _flat_items(manifest.tree, (), paths, self.items)
         md: dict[str, Any] = {}
         for fqn, node in self.items.items():
             if codec.tag_of(node) != "$tensor":
@@ -495,16 +499,15 @@ class Reader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assert self.manifest is not None  # set_up_storage_reader refused a missing one
-        reads: list[Read] = []
+        values = ValuePlanner(self.manifest.tensors, True, allow_pickle=False)  # the tensors inside values
+        reads: list[Read] = values.reads
         targets = []
+        pending = []
         for req in plan.items:
             fqn = req.storage_index.fqn
             node = self.items[fqn]
             if req.type == LoadItemType.BYTE_IO:
-                value = codec.decode_value(node, fqn)
-                if fqn in self.bytesio:
-                    value = io.BytesIO(value)
-                planner.load_bytes(req, _bytes_of(value))
+                pending.append((req, values.plan(None, node, fqn, "object")))
                 continue
             entry = self.manifest.tensors[node["$tensor"]]
             target = planner.resolve_tensor(req).detach()
@@ -514,9 +517,14 @@ class Reader(StorageReader):
                                       f"a read of {tuple(req.lengths)}")
             reads.append(Read(node["$tensor"], entry, target, (offsets, tuple(req.lengths))))
             targets.append((req, target))
-        TensorReader(self.storage, self.manifest, verify=True).run(reads)
+        if values.problems:
+            raise CorruptCheckpointError(f"{self.storage.url}: " + "; ".join(values.problems))
+        TensorReader(self.storage, self.manifest, verify=True, transforms=self.extension_registry).run(reads)
         for req, target in targets:
             planner.commit_tensor(req, target)
+        for req, value in pending:
+            fqn = req.storage_index.fqn
+            planner.load_bytes(req, _bytes_of(io.BytesIO(value()) if fqn in self.bytesio else value()))
         future: Future[None] = Future()
         future.set_result(None)
         return future

@@ -165,6 +165,122 @@ def sc_dcp_async(ctx: dw.Ctx) -> dict:
             "problems": dw.compare(dw.fsdp_full(fresh, fresh_opt), expected) + _extras_problems(target, 2)}
 
 
+def empty_state(version: int, mesh=None) -> dict:
+    """Tensors with no elements, as DCP saves them: plain (replicated on every rank) and,
+    given a mesh, DTensors whose chunks are all empty, two distinct empty boxes, or one
+    rank's chunk empty; with a tensor that has data."""
+    import torch
+    state = {"e1": torch.empty(0), "e2": torch.empty(0, 3), "e3": torch.empty(2, 0, 4),
+             "w": torch.full((3,), float(version))}
+    if mesh is not None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+        state.update({"s03": distribute_tensor(torch.empty(0, 3), mesh, [Shard(0)]),
+                      "s40": distribute_tensor(torch.empty(4, 0), mesh, [Shard(0)]),
+                      "s1": distribute_tensor(torch.full((1,), float(version)), mesh, [Shard(0)])})
+    return state
+
+
+class Xor:
+    """A stream transform (DCP's StreamTransformExtension protocol) of the tests' own:
+    every byte XOR 0x5A, written and read in pieces. Built on first use (torch loads late)."""
+
+    cls = None
+
+    @classmethod
+    def make(cls):
+        if cls.cls is None:
+            import io
+            from torch.distributed.checkpoint._extension import StreamTransformExtension
+
+            class XorTransform(StreamTransformExtension):
+                @staticmethod
+                def registry_name() -> str:
+                    return "test.xor"
+
+                @staticmethod
+                def from_descriptor(version: str) -> "XorTransform":
+                    if version != "1":
+                        raise ValueError(f"unknown version {version}")
+                    return XorTransform()
+
+                def get_descriptor(self) -> str:
+                    return "test.xor/1"
+
+                def transform_to(self, output):
+                    class W(io.RawIOBase):
+                        def writable(self) -> bool:
+                            return True
+
+                        def write(self, b) -> int:
+                            output.write(bytes(x ^ 0x5A for x in bytes(b)))
+                            return len(memoryview(b))
+
+                        def close(self) -> None:
+                            output.close()
+                            super().close()
+                    return W()
+
+                def transform_from(self, input):
+                    class R(io.RawIOBase):
+                        def readable(self) -> bool:
+                            return True
+
+                        def readinto(self, b) -> int:
+                            data = input.read(min(len(b), 1000))  # short reads, as a real stream gives
+                            b[:len(data)] = bytes(x ^ 0x5A for x in data)
+                            return len(data)
+                    return R()
+
+            cls.cls = XorTransform
+        return cls.cls()
+
+    @classmethod
+    def registry(cls):
+        from torch.distributed.checkpoint._extension import ExtensionRegistry
+        registry = ExtensionRegistry()
+        registry.register(type(cls.make()))
+        return registry
+
+
+def sc_dcp_empty(ctx: dw.Ctx) -> dict:
+    """Empty tensors (replicated, and DTensors with empty chunks) through the Writer and
+    back, and safeckpt.save with Shard pieces of empty tensors."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import safeckpt
+    import safeckpt.dcp
+    mesh = dw._mesh((ctx.world,))
+    dcp.save(empty_state(1, mesh), storage_writer=safeckpt.dcp.Writer(str(ctx.root / "empty")))
+    target = empty_state(0, mesh)
+    dcp.load(target, storage_reader=safeckpt.dcp.Reader(str(ctx.root / "empty")))
+    problems = dw.compare(target, {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                                   for k, v in empty_state(1, mesh).items()})
+    shards = {"p": safeckpt.Shard(torch.empty(2, 0), (2 * ctx.world, 0), (2 * ctx.rank, 0)),
+              "q": safeckpt.Shard(torch.empty(0, 3), (0, 3), (0, 0)), "w": torch.ones(2)}
+    safeckpt.save(shards, str(ctx.root / "empty_shards"))
+    back = {"p": safeckpt.Shard(torch.empty(2, 0), (2 * ctx.world, 0), (2 * ctx.rank, 0)),
+            "q": safeckpt.Shard(torch.empty(0, 3), (0, 3), (0, 0)), "w": torch.zeros(2)}
+    safeckpt.load(back, str(ctx.root / "empty_shards"))
+    return {"problems": problems + dw.compare(back["w"], torch.ones(2), "w")}
+
+
+def sc_dcp_transformed(ctx: dw.Ctx) -> dict:
+    """DTensors saved through a stream transform, loaded resharded (each rank decodes the
+    streams its new box needs)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import safeckpt.dcp
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = dw._mesh((ctx.world,))
+    a, z = kill_full("k0", 1), torch.arange(64 * 48, dtype=torch.int32).reshape(64, 48)
+    state = {"a": distribute_tensor(a, mesh, [Shard(0)]), "z": distribute_tensor(z, mesh, [Shard(1)]), "v": 7}
+    dcp.save(state, storage_writer=safeckpt.dcp.Writer(str(ctx.root / "xor"), _extensions=[Xor.make()]))
+    target = {"a": distribute_tensor(a * 0, mesh, [Replicate()]), "z": distribute_tensor(z * 0, mesh, [Shard(0)]),
+              "v": 0}
+    dcp.load(target, storage_reader=safeckpt.dcp.Reader(str(ctx.root / "xor"), _extension_registry=Xor.registry()))
+    return {"problems": dw.compare(target, {"a": a, "z": z, "v": 7})}
+
+
 def sc_dcp_fsdp_load(ctx: dw.Ctx) -> dict:
     """The 2-rank FSDP2 checkpoint on this launch's world size, bit-exact."""
     import torch
@@ -199,6 +315,68 @@ def sc_dcp_2d(ctx: dw.Ctx) -> dict:
     dcp.load(target, storage_reader=safeckpt.dcp.Reader(str(ctx.root / "dt2")))
     return {"problems": dw.compare(target["d"], dw.dt_full("d"), "d") + dw.compare(target["g"], dw.dt_full("g"), "g")
             + dw.compare(target["bias"], dw.BIAS(), "bias")}
+
+
+def sc_dcp_reshard(ctx: dw.Ctx) -> dict:
+    """A 2-D DTensor saved with every placement of a 2x2 mesh, loaded with every other one
+    and on a 1-D mesh of the same ranks (DCP's own resharding matrix)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import safeckpt.dcp
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh2, mesh1 = dw._mesh((2, 2)), dw._mesh((ctx.world,))
+    full = torch.arange(48, dtype=torch.float32).reshape(8, 6)
+    two = [[Replicate(), Replicate()], [Replicate(), Shard(0)], [Shard(0), Replicate()], [Shard(0), Shard(1)]]
+    problems = []
+    for i, saved in enumerate(two):
+        path = str(ctx.root / f"reshard{i}")
+        dcp.save({"t": distribute_tensor(full, mesh2, saved)}, storage_writer=safeckpt.dcp.Writer(path))
+        loads = [(mesh2, p) for p in two if p != saved] + [(mesh1, [Shard(0)]), (mesh1, [Replicate()])]
+        for mesh, placement in loads:
+            target = {"t": distribute_tensor(full * 0, mesh, placement)}
+            dcp.load(target, storage_reader=safeckpt.dcp.Reader(path))
+            problems += dw.compare(target["t"], full, f"{saved} -> {placement}")
+    return {"problems": problems}
+
+
+def _sharded(spec, full):
+    """A ShardedTensor of ``spec`` holding ``full`` (each rank fills its own shards)."""
+    from torch.distributed._shard import sharded_tensor
+    t = sharded_tensor.zeros(spec, *full.shape, init_rrefs=False)
+    for shard in t.local_shards():
+        (r, c), (h, w) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        shard.tensor.copy_(full[r:r + h, c:c + w])
+    return t
+
+
+def _sharded_problems(t, full, key: str) -> list:
+    out = []
+    for shard in t.local_shards():
+        (r, c), (h, w) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        out += dw.compare(shard.tensor, full[r:r + h, c:c + w], f"{key}@{r},{c}")
+    return out
+
+
+def sc_dcp_sharded_tensor(ctx: dw.Ctx) -> dict:
+    """ShardedTensors (torch.distributed._shard), two shards per rank, loaded as another
+    sharding (uneven, enumerated) and as a plain tensor; a plain tensor loaded as a
+    ShardedTensor."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import safeckpt.dcp
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec, ShardMetadata
+    four = ChunkShardingSpec(dim=0, placements=["rank:0", "rank:1", "rank:1", "rank:0"])
+    rows = ChunkShardingSpec(dim=1, placements=["rank:0", "rank:1"])
+    uneven = EnumerableShardingSpec([ShardMetadata([0, 0], [3, 20], "rank:1"), ShardMetadata([3, 0], [7, 20], "rank:0")])
+    full = torch.arange(200, dtype=torch.float32).reshape(10, 20)
+    path = str(ctx.root / "sharded_tensor")
+    dcp.save({"st": _sharded(four, full), "plain": full + 1}, storage_writer=safeckpt.dcp.Writer(path))
+    target = {"st": _sharded(uneven, full * 0), "plain": _sharded(rows, full * 0)}
+    dcp.load(target, storage_reader=safeckpt.dcp.Reader(path))
+    as_plain = {"st": torch.zeros(10, 20)}
+    dcp.load(as_plain, storage_reader=safeckpt.dcp.Reader(path))
+    return {"problems": _sharded_problems(target["st"], full, "st") + _sharded_problems(target["plain"], full + 1, "plain")
+            + dw.compare(as_plain["st"], full, "st as a plain tensor")}
 
 
 # -- SIGKILL during a re-save into the same folder ----------------------------------------------
@@ -320,7 +498,7 @@ def sc_dcp_accel_save(ctx: dw.Ctx) -> dict:
             dw.fsdp_train_step(model, opt, ctx.rank, step)
         acc = _accelerator(model, opt)
         acc.step = 2
-        info = sa.save_state(acc, str(ctx.root / f"accel_{kind}"), 2)
+        info = sa.save_state(acc, str(ctx.root / f"accel_{kind}"), 2, layout="safeckpt")  # sharded, reshardable
         expected = _full_state(model, opt)
         if ctx.rank == 0:
             torch.save(expected, ctx.root / f"accel_{kind}_expected.pt")
@@ -360,7 +538,7 @@ def _trainer(model, opt, output_dir: str):
     hf_logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     args = TrainingArguments(output_dir=output_dir, use_cpu=True, report_to=[], save_total_limit=2)
-    return SafeTrainer(model=model, args=args, optimizers=(opt, None))
+    return SafeTrainer(model=model, args=args, optimizers=(opt, None), checkpoint_layout="safeckpt")
 
 
 def sc_dcp_trainer_save(ctx: dw.Ctx) -> dict:

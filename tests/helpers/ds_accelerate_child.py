@@ -2,15 +2,18 @@
 process), saving through ``safeckpt.integrations.accelerate``, for
 tests/test_integration_deepspeed_hf.py.
 
-    python ds_accelerate_child.py killed ROOT POINT   # SIGKILLs itself during the save of step KILL_AT
-    python ds_accelerate_child.py resume ROOT RESULT
+    python ds_accelerate_child.py killed ROOT POINT [LAYOUT]   # SIGKILLs itself during the save of step KILL_AT
+    python ds_accelerate_child.py resume ROOT RESULT [LAYOUT]
     python ds_accelerate_child.py reference ROOT RESULT
 
 A small MLP trains STEPS steps (the batch of step k is seeded by k), saving every
-SAVE_EVERY steps with keep_last=2; the resumed run starts from another random model.
-Kill points: ``tag`` (inside DeepSpeed's save_checkpoint: step 6 never commits) and
-``seal`` (after the engine's tag and the manager's commit, before the seal: step 6 is
-committed, its tag by its own manifest).
+SAVE_EVERY steps with keep_last=2 in LAYOUT (``accelerate``, the default: Accelerate's
+own files, DeepSpeed's stock engine writing its tag; or ``safeckpt``); the resumed run
+starts from another random model. Kill points: ``seal`` (``accelerate``: every file
+written, before the seal, so step 6 is torn; ``safeckpt``: after the engine's tag and
+the manager's commit, before the seal: step 6 is committed, its tag by its own
+manifest) and ``tag`` (``safeckpt``: inside DeepSpeed's save_checkpoint: step 6 never
+commits).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from ds_trainer_child import _die, _single_process_env
 STEPS, SAVE_EVERY, KILL_AT = 8, 2, 6
 
 
-def run(root: str, seed: int, resume: bool) -> dict:
+def run(root: str, seed: int, resume: bool, layout: str = "accelerate") -> dict:
     import torch
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
@@ -54,7 +57,7 @@ def run(root: str, seed: int, resume: bool) -> dict:
         opt.zero_grad()
         losses[step] = loss.item()
         if step % SAVE_EVERY == 0:
-            save_state(acc, root, step, keep_last=2)
+            save_state(acc, root, step, keep_last=2, layout=layout)
     h = hashlib.sha256()
     for name, t in sorted(model.module.state_dict().items()):
         h.update(name.encode())
@@ -65,10 +68,19 @@ def run(root: str, seed: int, resume: bool) -> dict:
 def main(argv: list[str]) -> None:
     _single_process_env()
     mode, root = argv[:2]
+    layout = argv[3] if len(argv) > 3 else "accelerate"
     if mode == "killed":
         from safeckpt.integrations import accelerate as sacc
         from safeckpt.integrations import deepspeed as sds
-        if argv[2] == "tag":  # inside DeepSpeed's save_checkpoint, after the model file
+        if layout == "accelerate":  # every file written, before the seal
+            real_seal = sacc.seal
+
+            def seal(path, **kwargs):
+                if str(path).endswith(f"step-{KILL_AT:09d}"):
+                    _die()
+                return real_seal(path, **kwargs)
+            sacc.seal = seal
+        elif argv[2] == "tag":  # inside DeepSpeed's save_checkpoint, after the model file
             real_write = sds.SafeCheckpointEngine.save
 
             def write(self, state_dict, path):
@@ -85,9 +97,9 @@ def main(argv: list[str]) -> None:
                     _die()
                 return info
             sacc.CheckpointManager.save = save
-        run(root, 0, resume=False)
+        run(root, 0, resume=False, layout=layout)
         raise AssertionError("the run was not killed")
-    result = run(root, 1234 if mode == "resume" else 0, resume=mode == "resume")
+    result = run(root, 1234 if mode == "resume" else 0, resume=mode == "resume", layout=layout)
     with open(argv[2], "w") as f:
         json.dump(result, f)
 

@@ -5,13 +5,15 @@
     python ds_trainer_child.py resume OUT RESULT [KIND]  # resumes from last_checkpoint(OUT), model seed 1234
     python ds_trainer_child.py reference OUT RESULT
 
-KIND is ``safe`` (``SafeTrainer``, the default) or ``callback`` (a plain ``Trainer``
-with ``SafeCheckpointCallback``).
+KIND is ``safe`` (``SafeTrainer``, its default layout: the Trainer's and DeepSpeed's own
+files), ``safeckpt`` (``SafeTrainer(checkpoint_layout="safeckpt")``: DeepSpeed writes
+through safeckpt's checkpoint engine) or ``callback`` (a plain ``Trainer`` with
+``SafeCheckpointCallback``).
 
 A tiny GPT-2 built from a config (no download) trains STEPS steps on generated tokens,
-saving every SAVE_EVERY steps. Kill points: ``tag`` (inside DeepSpeed's
-save_checkpoint, after rank 0 wrote its model file), ``seal`` (DeepSpeed's tag
-committed and the RNG files and trainer state written, before checkpoint-N is sealed).
+saving every SAVE_EVERY steps. Kill points: ``tag`` (``safeckpt``: inside DeepSpeed's
+save_checkpoint, after rank 0 wrote its model file), ``seal`` (DeepSpeed's tag and the
+RNG files and trainer state written, before checkpoint-N is sealed).
 RESULT gets the losses and a hash of the final weights.
 """
 
@@ -64,7 +66,8 @@ def _trainer(out: str, seed: int, kind: str = "safe"):
                              deepspeed=DS_CONFIG)
     if kind == "callback":
         return Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[SafeCheckpointCallback()])
-    return SafeTrainer(model=model, args=args, train_dataset=Tokens())
+    return SafeTrainer(model=model, args=args, train_dataset=Tokens(),
+                       checkpoint_layout="safeckpt" if kind == "safeckpt" else "trainer")
 
 
 def _result(trainer, path: str) -> None:
@@ -115,7 +118,7 @@ def main(argv: list[str]) -> None:
     elif mode == "resume":
         from safeckpt.integrations.transformers import last_checkpoint
         t = _trainer(out, seed=1234, kind=kind)
-        t.train(resume_from_checkpoint=True if kind == "safe" else last_checkpoint(out))
+        t.train(resume_from_checkpoint=last_checkpoint(out) if kind == "callback" else True)
         _result(t, arg)
     else:
         t = _trainer(out, seed=0)

@@ -18,7 +18,7 @@ import warnings
 import click
 
 from .._version import __version__
-from ._common import CliError, debug, set_debug
+from ._common import CliError, debug, printable, set_debug
 
 __all__ = ["cli", "main"]
 
@@ -70,12 +70,11 @@ def cli(debug: bool) -> None:
 def _one_line(exc: "BaseException | str") -> str:
     text = str(exc).strip() or type(exc).__name__
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return "; ".join(lines)
+    return printable("; ".join(lines))
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
-    print(f"safeckpt: warning: {_one_line(message) if isinstance(message, Warning) else message}",
-          file=sys.stderr)
+    print(f"safeckpt: warning: {_one_line(message)}", file=sys.stderr)
 
 
 class _InfoLines(logging.Handler):
@@ -83,7 +82,7 @@ class _InfoLines(logging.Handler):
     at INFO (each save, each exported file) is one ``safeckpt: ...`` line on stderr."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        print(f"safeckpt: {record.getMessage()}", file=sys.stderr)
+        print(f"safeckpt: {printable(record.getMessage())}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

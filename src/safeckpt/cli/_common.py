@@ -8,6 +8,7 @@ import datetime as _dt
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -16,7 +17,7 @@ import click
 
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsafeObjectError
 from ..format.states import CheckpointState
-from ..format.names import STEP_RE, manifest_seq
+from ..format.names import manifest_seq, step_of
 from ..storage import Storage, StorageWrapper
 from ..storage import open as open_storage
 
@@ -195,14 +196,25 @@ def table(*columns: str, right: tuple[str, ...] = (), title: str | None = None):
     return t
 
 
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(value: Any) -> str:
+    """``str(value)`` with control, line-breaking and bidi characters escaped (``\\n``,
+    ``\\x1b``): folder, file and tensor names come from storage and manifests, and a
+    newline in one must not forge a row of a listing (``--json`` stays exact)."""
+    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(value))
+
+
 def text(value: Any):
+    """A table cell: the value as text, escaped (``printable``)."""
     from rich.text import Text
 
-    return Text(str(value))
+    return Text(printable(value))
 
 
 def say(out: Any, line: str) -> None:
-    """Print one line of text as it is (never wrapped or interpreted)."""
+    """Print one line of text, escaped (``printable``), never wrapped or interpreted."""
     out.print(text(line), soft_wrap=True)
 
 
@@ -316,8 +328,8 @@ def locate(path: str, options: dict[str, Any]) -> Place:
     listing = storage.listdir()
     if _has_manifest(listing):
         return Place(storage, "checkpoint", [])
-    steps = sorted((int(m.group(1)), name) for name, size in listing.items()
-                   if size is None and (m := STEP_RE.fullmatch(name)))
+    steps = sorted((step, name) for name, size in listing.items()
+                   if size is None and (step := step_of(name)) is not None)
     if steps:
         return Place(storage, "root", [name for _, name in steps])
     folders = sorted(name for name, size in listing.items() if size is None and _has_manifest(storage.child(name).listdir()))

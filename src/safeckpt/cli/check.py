@@ -67,7 +67,8 @@ def verify_all(storages: list[Storage], jobs: int, progress: Any = None) -> list
         result.status, manifest = found.state, found.manifest
         if manifest is None:
             result.problems = [] if result.status is CheckpointState.RETIRED else [found.problem]
-            result.bytes = sum(size for size in storage.listdir().values() if size is not None)
+            if result.status is not CheckpointState.UNREADABLE:
+                result.bytes = sum(size for size in storage.listdir().values() if size is not None)
             continue
         result.step, result.file_count, result.bytes = manifest.step, len(manifest.files), manifest.total_bytes
         result.bytes_read = sum(f.size for f in manifest.files.values())
@@ -109,7 +110,8 @@ def verify_command(paths: tuple[str, ...], jobs: int, as_json: bool, storage_opt
 
     PATH is a checkpoint folder or a run root (then every step folder is checked).
     Exits 0 when all are sound, 1 when any problem is found (each printed with its file
-    and tensor) or a checkpoint is of a newer format (this safeckpt cannot check it). A
+    and tensor), a folder cannot be read, or a checkpoint is of a newer format (this
+    safeckpt cannot check it). A
     torn save (a step folder without a manifest), an empty or a retired folder is
     reported but is not a failure."""
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
@@ -132,18 +134,22 @@ def verify_command(paths: tuple[str, ...], jobs: int, as_json: bool, storage_opt
                 say(out, f"{label}{r.path}  ({r.file_count} file(s), {human_bytes(r.bytes_read)}, every checksum matches)")
             else:
                 say(out, f"{label}{r.path}  ({_WHY[r.status]})")
-                for p in r.problems if r.status in (CheckpointState.CORRUPT, CheckpointState.NEWER_FORMAT) else []:
+                for p in r.problems if r.status in _FINDINGS else []:
                     say(out, f"  - {p}")
         say(out, f"checked {len(results)} checkpoint folder(s), {human_bytes(sum(r.bytes_read for r in results))} "
                  f"read in {seconds:.1f}s: {count_states(r.status for r in results)}")
-    return 1 if any(r.status in (CheckpointState.CORRUPT, CheckpointState.NEWER_FORMAT) for r in results) else 0
+    return 1 if any(r.status in _FINDINGS for r in results) else 0
+
+
+_FINDINGS = (CheckpointState.CORRUPT, CheckpointState.NEWER_FORMAT, CheckpointState.UNREADABLE)  # exit 1
 
 
 _WHY = {CheckpointState.TORN: "no manifest: a save that never committed; 'safeckpt gc' removes its files",
         CheckpointState.EMPTY: "nothing in it",
         CheckpointState.RETIRED: "deleted by retention; keeps data newer checkpoints share",
         CheckpointState.CORRUPT: "problems below",
-        CheckpointState.NEWER_FORMAT: "written by a newer safeckpt: this one cannot check it"}
+        CheckpointState.NEWER_FORMAT: "written by a newer safeckpt: this one cannot check it",
+        CheckpointState.UNREADABLE: "cannot be read: problems below"}
 
 
 def _sizes(root: Storage, names: list[str], single: bool) -> dict[str, int]:

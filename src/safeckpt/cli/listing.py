@@ -12,8 +12,9 @@ from ..format.manifest import Manifest
 from ..storage import Storage
 from ..format.tensors import dtype_from_name, nbytes_of
 from ..interop.export import leaf_values
-from ._common import (CliError, compact, console, count_states, decode, human_bytes, iso_time, jsonable, locate,
-                      print_json, say, storage_option_flag, storage_options, table, text, when)
+from ..format.names import step_of
+from ._common import (CliError, Place, compact, console, count_states, decode, human_bytes, iso_time, jsonable,
+                      locate, print_json, say, storage_option_flag, storage_options, table, text, when)
 
 
 def _row(c: CheckpointStatus) -> dict[str, Any]:
@@ -26,11 +27,19 @@ def _row(c: CheckpointStatus) -> dict[str, Any]:
             "file_count": c.file_count, "tensor_count": c.tensor_count, "problems": problems}
 
 
-def _rows(path: str, options: dict) -> list[dict[str, Any]]:
-    place = locate(path, options)
+def _rows(place: Place) -> list[dict[str, Any]]:
     if place.kind == "root":
         return [_row(c) for c in list_checkpoints(place.storage)]
     return [_row(checkpoint_status(folder)) for folder in place.checkpoints()]
+
+
+def _ignored(place: Place) -> list[str]:
+    """Folders of a run root named like a step folder without being one (``step-0000000002``:
+    a step's folder is exactly ``step-`` and the step zero-padded to 9 digits)."""
+    if place.kind != "root":
+        return []
+    return sorted(n for n, size in place.storage.listdir().items()
+                  if size is None and n.startswith("step-") and step_of(n) is None)
 
 
 @click.command("ls")
@@ -46,7 +55,8 @@ def ls_command(root: str, as_json: bool, storage_option: tuple[str, ...]) -> int
 
     ROOT is a local path or a URL such as s3://bucket/run; a single checkpoint folder
     lists as one row."""
-    rows = _rows(root, storage_options(storage_option))
+    place = locate(root, storage_options(storage_option))
+    rows = _rows(place)
     if as_json:
         print_json(rows)
         return 0
@@ -64,6 +74,10 @@ def ls_command(root: str, as_json: bool, storage_option: tuple[str, ...]) -> int
     for r in rows:
         if r["status"] not in (CheckpointState.COMMITTED, CheckpointState.TORN, CheckpointState.RETIRED):
             say(out, f"  {'' if r['step'] is None else 'step '}{_label(r)}: {'; '.join(r['problems'])}")
+    ignored = _ignored(place)
+    if ignored:
+        say(out, f"ignored (not step folder names, which are step- and the step zero-padded to 9 digits): "
+                 f"{', '.join(ignored)}")
     return 0
 
 

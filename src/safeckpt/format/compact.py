@@ -19,7 +19,7 @@ import math
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -34,30 +34,55 @@ ALGORITHM_WIDTH = {"xxh3_64": 8, "xxh3_128": 16}  # digest bytes per block check
 TENSOR_COLUMNS = ("dtype", "ndim", "chunks", "tied")  # one value per tensor
 CHUNK_COLUMNS = ("file", "start", "length", "algorithm")  # one value per chunk
 _LIMIT = 1 << 62  # no count, offset or size of a valid manifest comes near it
+# what the packed columns of a table may inflate to in all (docs/format.md §6.4): 16 bytes
+# per byte of the manifest's body, plus 1 MiB; a writer whose columns deflate further
+# stores them uncompressed, so a reader can bound its memory by the manifest's length
+INFLATE_RATIO = 16
+INFLATE_FLOOR = 1 << 20
+_MIN_DIGEST = min(ALGORITHM_WIDTH.values())  # every chunk has at least one block digest
 
 
-def pack(values: np.ndarray | list[int]) -> str:
-    """A column as stored: little-endian int64, deflated, base64."""
+def pack(values: np.ndarray | list[int], level: int = 1) -> str:
+    """A column as stored: little-endian int64, deflated (``level`` 0: stored), base64."""
     raw = np.asarray(values, dtype="<i8").tobytes()
-    return base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
+    return base64.b64encode(zlib.compress(raw, level)).decode("ascii")
 
 
 def unpack(text: Any, count: int, where: str, what: str) -> np.ndarray:
-    """Inverse of ``pack``, for a column that must hold exactly ``count`` values; it never
-    inflates more than that (a crafted column cannot blow up memory)."""
+    """Inverse of ``pack``, for a column that must hold exactly ``count`` values: one
+    complete zlib stream and nothing after it. It never inflates more than that (a
+    crafted column cannot blow up memory)."""
     try:
         if not isinstance(text, str):
             raise ValueError("not a string")
         inflater = zlib.decompressobj()
         raw = inflater.decompress(base64.b64decode(text, validate=True), count * 8 + 1)
-        complete = inflater.eof and not inflater.unconsumed_tail
+        complete = inflater.eof and not inflater.unconsumed_tail and not inflater.unused_data
     except (ValueError, binascii.Error, zlib.error) as exc:
         raise CorruptCheckpointError(f"{where}: tensor table column {what!r} is garbled ({exc})") from exc
     if len(raw) != count * 8 or not complete:
         raise CorruptCheckpointError(
             f"{where}: tensor table column {what!r} holds {len(raw) // 8}{'+' if not complete else ''} values, "
-            f"not {count} (truncated or altered)")
+            f"not {count}, or bytes after its stream (truncated or altered)")
     return np.frombuffer(raw, dtype="<i8").astype(np.int64, copy=False)
+
+
+class _Inflation:
+    """How much a table's columns may still inflate to: each column's declared length is
+    checked against it before the column is inflated, so a small manifest that claims
+    millions of values is refused having allocated nothing (docs/format.md §6.4)."""
+
+    def __init__(self, body_length: int, where: str) -> None:
+        self.body_length, self.where = body_length, where
+        self.left = INFLATE_FLOOR + INFLATE_RATIO * body_length
+
+    def column(self, text: Any, count: int, what: str) -> np.ndarray:
+        if 8 * count > self.left:
+            raise CorruptCheckpointError(
+                f"{self.where}: tensor table column {what!r} declares {count} values, more than a manifest of "
+                f"{self.body_length} bytes may hold (crafted or altered)")
+        self.left -= 8 * count
+        return unpack(text, count, self.where, what)
 
 
 def _need(cond: Any, where: str, what: str) -> None:
@@ -433,14 +458,42 @@ class TensorTable(Mapping[str, "TableEntry"]):
                            c_length=self.c_length, c_alg=self.c_alg, offsets=self.offsets, box=self.box,
                            digests=self.digests)
 
+    def check_ties(self, where: str) -> None:
+        """Every tied tensor repeats the tensor it is tied to: dtype, shape and chunks
+        (files, byte ranges, boxes, checksums). Readers hand out one tensor for both, so
+        any other tie would give one tensor's values under another's name."""
+        a = np.flatnonzero(self.t_tied >= 0)
+        if not a.size:
+            return
+        b = self.t_tied[a]
+        bad = (self.t_dtype[a] != self.t_dtype[b]) | (self.t_ndim[a] != self.t_ndim[b]) | \
+              (self.t_chunks[a] != self.t_chunks[b])
+        first_dim, first_digest = self.dim_at[self.first], self.digest_at[self.first]
+        digests = np.frombuffer(self.digests, dtype=np.uint8)
+        # (values, where tensor i's run of them starts: run i is at[i]:at[i + 1])
+        for values, at in ((self.shape, self.shape_at), (self.c_file, self.first), (self.c_start, self.first),
+                           (self.c_length, self.first), (self.c_alg, self.first), (self.offsets, first_dim),
+                           (self.box, first_dim), (digests, first_digest)):
+            ok = np.flatnonzero(~bad)
+            bad[ok] = _runs_differ(values, at[a[ok]], at[a[ok] + 1], at[b[ok]], at[b[ok] + 1])
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            raise tie_error(where, self.names[int(a[k])], self.names[int(b[k])])
+
     # -- storage form ----------------------------------------------------------------
     def encode(self) -> dict[str, Any]:
+        """The stored form (§6.4). Columns that would inflate to more than a reader
+        accepts for the manifest's length (many high-dimensional boxes deflate far) are
+        stored uncompressed, which always fits."""
         columns = {"dtype": self.t_dtype, "ndim": self.t_ndim, "chunks": self.t_chunks, "tied": self.t_tied,
                    "shape": self.shape, "file": self.c_file, "start": self.c_start, "length": self.c_length,
                    "algorithm": self.c_alg, "offsets": self.offsets, "box": self.box}
-        return {"names": self.names, "dtypes": self.dtypes, "algorithms": self.algorithms,
-                "columns": {k: pack(v) for k, v in columns.items()},
-                "digests": base64.b64encode(self.digests).decode("ascii")}
+        digests = base64.b64encode(self.digests).decode("ascii")
+        packed = {k: pack(v) for k, v in columns.items()}
+        if 8 * sum(len(v) for v in columns.values()) > INFLATE_RATIO * (len(digests) + sum(map(len, packed.values()))):
+            packed = {k: pack(v, level=0) for k, v in columns.items()}
+        return {"names": self.names, "dtypes": self.dtypes, "algorithms": self.algorithms, "columns": packed,
+                "digests": digests}
 
 
 class TableEntry:
@@ -485,9 +538,12 @@ class TableEntry:
         return f"TableEntry({self.table.names[self.i]!r}, {self.dtype}, {self.shape}, {self.table.t_chunks[self.i]} chunk(s))"
 
 
-def decode_table(raw: Any, files: Mapping[str, Any], block_size: int, where: str) -> TensorTable:
-    """Check a stored table against every rule of §6.2 (vectorized) and return it; any
-    violation is a ``CorruptCheckpointError`` naming ``where``."""
+def decode_table(raw: Any, files: Mapping[str, Any], block_size: int, where: str, body_length: int) -> TensorTable:
+    """Check a stored table against every rule of §6.2 and §6.4 (vectorized) and return
+    it; any violation is a ``CorruptCheckpointError`` naming ``where``. ``body_length``
+    (of the manifest's body) bounds what the columns may inflate to; every declared
+    count is checked against it, and the chunk count against the digests, before the
+    columns it sizes are inflated."""
     _need(isinstance(raw, dict) and isinstance(raw.get("columns"), dict), where, "not an object with columns")
     names, dtypes, algorithms, cols = raw["names"], raw["dtypes"], raw["algorithms"], raw["columns"]
     _need(isinstance(names, list) and all(type(n) is str for n in names), where, "names are not strings")
@@ -496,22 +552,27 @@ def decode_table(raw: Any, files: Mapping[str, Any], block_size: int, where: str
     itemsizes = np.asarray([dtype_from_name(d, f"{where}: tensor table").itemsize for d in dtypes] or [1],
                            dtype=np.int64)
     _need(all(a in ALGORITHM_WIDTH for a in algorithms), where, f"unknown checksum algorithm in {algorithms!r}")
+    digests = _digests(raw["digests"], where)
+    inflation = _Inflation(body_length, where)
     n = len(names)
-    t = {c: unpack(cols.get(c), n, where, c) for c in TENSOR_COLUMNS}
+    t = {c: inflation.column(cols.get(c), n, c) for c in TENSOR_COLUMNS}
     t_dtype, ndim, nchunks, tied = t["dtype"], t["ndim"], t["chunks"], t["tied"]
     _need(n == 0 or (t_dtype.min() >= 0 and t_dtype.max() < len(dtypes)), where, "dtype index out of range")
     _need(n == 0 or (ndim.min() >= 0 and ndim.max() <= MAX_DIMS), where, f"a tensor has more than {MAX_DIMS} dimensions")
     _need(n == 0 or (tied.min() >= -1 and tied.max() < n and not np.any(tied == np.arange(n))), where,
           "a tensor is tied to an unknown tensor or to itself")
-    shape = unpack(cols.get("shape"), _total(ndim, where, "ndim"), where, "shape")
+    shape = inflation.column(cols.get("shape"), _total(ndim, where, "ndim"), "shape")
     n_chunks = _total(nchunks, where, "chunk counts")
+    _need(n_chunks * _MIN_DIGEST <= len(digests), where,
+          f"{n_chunks} chunks declared, but the block digests hold at most {len(digests) // _MIN_DIGEST} "
+          "(truncated or altered)")
     _need(shape.size == 0 or shape.min() >= 0, where, "negative dimension")
-    c = {k: unpack(cols.get(k), n_chunks, where, k) for k in CHUNK_COLUMNS}
+    c = {k: inflation.column(cols.get(k), n_chunks, k) for k in CHUNK_COLUMNS}
     c_file, c_start, c_length, c_alg = c["file"], c["start"], c["length"], c["algorithm"]
     c_tensor = np.repeat(np.arange(n, dtype=np.int64), nchunks)
     n_dims = _total(ndim[c_tensor], where, "chunk dimensions")
-    offsets = unpack(cols.get("offsets"), n_dims, where, "offsets")
-    box = unpack(cols.get("box"), n_dims, where, "box")
+    offsets = inflation.column(cols.get("offsets"), n_dims, "offsets")
+    box = inflation.column(cols.get("box"), n_dims, "box")
     sizes = np.asarray([f.size for f in files.values()] or [0], dtype=np.int64)
     if n_chunks:
         rule = functools.partial(_chunk_rule, c_tensor, names)
@@ -521,19 +582,46 @@ def decode_table(raw: Any, files: Mapping[str, Any], block_size: int, where: str
         size = sizes[c_file]
         rule((c_start > size) | (c_length > size - c_start), where, "a chunk's byte range does not fit", c_file, files)
     _check_boxes(names, shape, ndim, itemsizes[t_dtype], nchunks, c_tensor, c_length, offsets, box, where)
-    digest = raw["digests"]
-    try:
-        digests = base64.b64decode(digest, validate=True) if isinstance(digest, str) else None
-    except (ValueError, binascii.Error):
-        digests = None
     width = np.asarray([ALGORITHM_WIDTH[a] for a in algorithms] or [0], dtype=np.int64)
     sums = np.maximum(1, -(-c_length // block_size))
-    _need(digests is not None and len(digests) == int((sums * width[c_alg]).sum()), where,
+    _need(len(digests) == int((sums * width[c_alg]).sum()), where,
           "the block digests do not match the chunks (truncated or altered)")
     _check_coverage(names, shape, ndim, nchunks, offsets, box, where)
-    return TensorTable(names, dtypes, algorithms, list(files), block_size, t_dtype=t_dtype, t_ndim=ndim,
-                       t_chunks=nchunks, t_tied=tied, shape=shape, c_file=c_file, c_start=c_start,
-                       c_length=c_length, c_alg=c_alg, offsets=offsets, box=box, digests=cast(bytes, digests))
+    table = TensorTable(names, dtypes, algorithms, list(files), block_size, t_dtype=t_dtype, t_ndim=ndim,
+                        t_chunks=nchunks, t_tied=tied, shape=shape, c_file=c_file, c_start=c_start,
+                        c_length=c_length, c_alg=c_alg, offsets=offsets, box=box, digests=digests)
+    table.check_ties(where)
+    return table
+
+
+def _digests(text: Any, where: str) -> bytes:
+    """The raw block digests (base64 in the manifest)."""
+    try:
+        if isinstance(text, str):
+            return base64.b64decode(text, validate=True)
+    except (ValueError, binascii.Error):
+        pass
+    raise CorruptCheckpointError(f"{where}: tensor table: the block digests are garbled (truncated or altered)")
+
+
+def tie_error(where: str, name: str, first: str) -> CorruptCheckpointError:
+    """A tensor tied to another whose dtype, shape or chunks it does not repeat: a reader
+    would hand out ``first``'s values under ``name``."""
+    return CorruptCheckpointError(
+        f"{where}: tensor {name!r} is tied to {first!r} but does not repeat it (a tie has the same dtype, shape "
+        "and chunks as its tensor): crafted or altered; restore from another checkpoint")
+
+
+def _runs_differ(values: np.ndarray, a_lo: np.ndarray, a_hi: np.ndarray, b_lo: np.ndarray,
+                 b_hi: np.ndarray) -> np.ndarray:
+    """For each pair ``k``: whether ``values[a_lo[k]:a_hi[k]]`` and ``values[b_lo[k]:b_hi[k]]``
+    differ (in length or in any value)."""
+    lengths = a_hi - a_lo
+    differ = lengths != b_hi - b_lo
+    same = np.flatnonzero(~differ)
+    unequal = values[segments(a_lo[same], lengths[same])] != values[segments(b_lo[same], lengths[same])]
+    differ[same] = np.bincount(np.repeat(np.arange(len(same)), lengths[same])[unequal], minlength=len(same)) > 0
+    return differ
 
 
 def _chunk_rule(c_tensor: np.ndarray, names: list[str], bad: np.ndarray, where: str, what: str,

@@ -17,7 +17,7 @@ from ..storage import Storage
 from . import manifestcache
 from .manifest import Manifest
 from .states import CheckpointState
-from .names import DATA_RE, RETIRED as RETIRED_MARKER, STEP_RE, is_shared, manifest_seq, shared_location
+from .names import DATA_RE, RETIRED as RETIRED_MARKER, is_shared, manifest_seq, shared_location, step_folder, step_of
 
 
 _RETIRED_WHY = "deleted by retention; holds data later checkpoints share"
@@ -33,9 +33,20 @@ class FolderState:
 
 
 def folder_state(folder: Storage, listing: dict[str, int | None] | None = None) -> FolderState:
-    """Judge one checkpoint folder (never raises for what it finds in it)."""
-    if listing is None:
-        listing = folder.listdir()
+    """Judge one checkpoint folder (never raises for what it finds in it). One that
+    cannot be listed or whose manifest cannot be read is ``UNREADABLE``, with a warning:
+    callers go on with the other folders of a run root (an old step that lost its
+    permissions must not block the newer ones), and none takes it for absent."""
+    try:
+        if listing is None:
+            listing = folder.listdir()
+        return _judged(folder, listing)
+    except StorageError as exc:
+        warn(f"{folder.url} cannot be read and is passed over: {exc}", SkippedCheckpointWarning)
+        return FolderState(CheckpointState.UNREADABLE, problem=str(exc))
+
+
+def _judged(folder: Storage, listing: dict[str, int | None]) -> FolderState:
     try:
         return FolderState(CheckpointState.COMMITTED, read_committed(folder, listing))
     except UnsupportedFormatError as exc:
@@ -49,9 +60,27 @@ def folder_state(folder: Storage, listing: dict[str, int | None] | None = None) 
 
 
 def step_folders(root: Storage) -> list[int]:
-    """The steps of a run root's ``step-NNNNNNNNN`` folders, ascending."""
-    return sorted(int(m.group(1)) for name, size in root.listdir().items()
-                  if size is None and (m := STEP_RE.fullmatch(name)))
+    """The steps of a run root's step folders (``names.step_of``), ascending."""
+    return sorted(step for name, size in root.listdir().items()
+                  if size is None and (step := step_of(name)) is not None)
+
+
+def step_state(root: Storage, step: int) -> FolderState:
+    """The state of a run root's folder of ``step``: ``folder_state``, except that a
+    checkpoint of another step (a folder copied or renamed by hand) is not a checkpoint
+    of this one (corrupt, saying which step it holds)."""
+    folder = root.child(step_folder(step))
+    found = folder_state(folder)
+    if found.manifest is not None and found.manifest.step not in (None, step):
+        return FolderState(CheckpointState.CORRUPT, problem=(
+            f"{folder.url} holds the checkpoint of step {found.manifest.step}, not of step {step} (copied or "
+            "renamed by hand?); it counts for nothing here"))
+    return found
+
+
+def committed_steps(root: Storage) -> dict[int, Manifest]:
+    """Step -> manifest of every committed checkpoint of a run root (by ``step_state``)."""
+    return {s: m for s in step_folders(root) if (m := step_state(root, s).manifest) is not None}
 
 
 def manifest_seqs(listing: dict[str, int | None]) -> list[tuple[int, str]]:
@@ -179,7 +208,7 @@ def shared_by_siblings(folder: Storage) -> set[str]:
     name = folder.url.rstrip("/").rsplit("/", 1)[-1]
     manifests = []
     for sibling, size in sorted(parent.listdir().items()):
-        if size is None and sibling != name and STEP_RE.fullmatch(sibling):
+        if size is None and sibling != name and step_of(sibling) is not None:
             try:
                 manifests.append(read_committed(parent.child(sibling)))
             except (CheckpointNotFoundError, CorruptCheckpointError):

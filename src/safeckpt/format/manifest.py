@@ -19,13 +19,15 @@ from typing import Any
 from . import codec
 from .checksum import ALGORITHM, BLOCK_SIZE, checksum, is_checksum
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
-from .names import MANIFEST_RE, STEP_RE, is_shared, manifest_name, manifest_seq, root_path, shared_location  # noqa: F401
+from .names import MANIFEST_RE, is_shared, manifest_name, manifest_seq, root_path, shared_location, step_of  # noqa: F401
 from .records import Chunk, FileEntry, TensorEntry  # noqa: F401 - the manifest's parts
-from .compact import TableEntry, TensorTable, decode_table, from_entries
+from .compact import TableEntry, TensorTable, decode_table, from_entries, tie_error
+from . import transformed as stored_as
 from .plan import PlanError, check_coverage
 from .tensors import dtype_from_name, is_shape
 
-FORMAT_VERSION = 3  # 2: incremental manifests (files of sibling checkpoints, xxh3_128 chunks); 3: tensor tables
+FORMAT_VERSION = 4  # 2: incremental manifests (files of sibling checkpoints, xxh3_128 chunks); 3: tensor tables;
+# 4: tensors stored through stream transforms (``transformed``)
 WRITE_VERSION = 3  # what a save writes: compact tensor tables (compact.py)
 _PREFIX = b'{"safeckpt":'
 _SUFFIX_START = b',"checksum":"' + ALGORITHM.encode() + b":"
@@ -41,7 +43,7 @@ def check_relpath(name: object, where: str, siblings: bool = False) -> str:
         raise CorruptCheckpointError(f"{where}: file name {name!r} is not a relative path inside the checkpoint")
     parts = name.split("/")
     if siblings and parts[0] == ".." and len(parts) == 3:
-        if not STEP_RE.fullmatch(parts[1]):
+        if step_of(parts[1]) is None:
             raise CorruptCheckpointError(
                 f"{where}: file name {name!r} refers to a folder that is not a checkpoint of the run "
                 "(step-NNNNNNNNN)")
@@ -80,6 +82,7 @@ class Manifest:
     metrics: dict[str, Any] = field(default_factory=dict)
     block_size: int = BLOCK_SIZE
     run_id: str | None = None  # the CheckpointManager run that wrote it (retention scope)
+    durable_root: str | None = None  # a local tier's save: the durable root it belongs to (its URL)
     version: int = 1  # saves write WRITE_VERSION; seal keeps the version it found
     dcp: DcpRecord | None = None  # written by safeckpt.dcp.Writer
 
@@ -109,6 +112,8 @@ class Manifest:
 
 def editable(tensors: "Mapping[str, TensorEntry | TableEntry]") -> dict[str, TensorEntry]:
     """The tensors of a decoded manifest as entries that can be changed in place."""
+    if isinstance(tensors, stored_as.WithTransformed):
+        return {**editable(tensors.table), **tensors.transformed}
     return tensors.entries() if isinstance(tensors, TensorTable) else dict(tensors)  # type: ignore[arg-type]
 
 
@@ -123,17 +128,25 @@ def encode_values(values: dict[str, Any], what: str) -> Any:
 
 def encode_manifest(m: Manifest) -> bytes:
     """Serialize to the framed, self-checksummed form."""
+    tensors, transformed = stored_as.split(m.tensors)
+    if transformed and m.version < stored_as.TRANSFORMED_VERSION:
+        raise ValueError(f"a manifest with transformed tensors is format {stored_as.TRANSFORMED_VERSION}, "
+                         f"not {m.version}")
     body = {
         "format_version": m.version, "save_id": m.save_id, "seq": m.seq, "created": m.created,
         "world_size": m.world_size, "step": m.step, "block_size": m.block_size, "run_id": m.run_id,
         "metadata": encode_values(m.metadata, "metadata"), "metrics": encode_values(m.metrics, "metrics"),
         "files": [{k: v for k, v in vars(f).items() if v is not None} for f in m.files.values()],
-        "tensors": from_entries(m.tensors, list(m.files), m.block_size).encode() if m.version >= 3 else
+        "tensors": from_entries(tensors, list(m.files), m.block_size).encode() if m.version >= 3 else
                    {name: {"dtype": t.dtype, "shape": t.shape, "chunks": [vars(c) for c in t.chunks],
                            **({"tied_to": t.tied_to} if t.tied_to else {})}
-                    for name, t in m.tensors.items()},
+                    for name, t in tensors.items()},
         "tree": m.tree,
     }
+    if transformed:
+        body["transformed"] = transformed
+    if m.durable_root is not None:
+        body["durable_root"] = m.durable_root
     if m.dcp is not None:
         body["dcp"] = {"items": m.dcp.items, "planner_data": m.dcp.planner_data, "bytesio": m.dcp.bytesio}
     return frame(json.dumps(body, separators=(",", ":"), allow_nan=False).encode())
@@ -185,7 +198,7 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
             f"{where}: format version {version} is newer than this safeckpt understands "
             f"({FORMAT_VERSION}); upgrade safeckpt to read it")
     try:
-        return _decode_body(body, where)
+        return _decode_body(body, where, len(raw))
     except CorruptCheckpointError:
         raise
     except (KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
@@ -263,29 +276,41 @@ def _decode_tensors(saved: Any, files: dict[str, FileEntry], block: int, where: 
         if not (tied is None or (isinstance(tied, str) and tied in saved and tied != name)):
             raise CorruptCheckpointError(f"{where}: tensor {name!r}: tied to unknown tensor {tied!r}")
         tensors[name] = TensorEntry(dtype, shape, chunks, tied)
+    for name, t in tensors.items():  # a tie repeats its tensor (compact.TensorTable.check_ties)
+        if t.tied_to is not None:
+            first = tensors[t.tied_to]
+            if (first.dtype, first.shape, first.chunks) != (t.dtype, t.shape, t.chunks):
+                raise tie_error(where, name, t.tied_to)
     return tensors
 
 
-def _decode_body(body: dict, where: str) -> Manifest:
+def _decode_body(body: dict, where: str, length: int) -> Manifest:
     files = _decode_files(body["files"], where, body["format_version"])
     block = body.get("block_size", BLOCK_SIZE)
     _need(_is_int(block, 1), where, f"bad block_size {block!r}")
-    tensors = decode_table(body["tensors"], files, block, where) if body["format_version"] >= 3 else \
-        _decode_tensors(body["tensors"], files, block, where)
+    tensors: Mapping[str, TensorEntry | TableEntry] = decode_table(body["tensors"], files, block, where, length) \
+        if body["format_version"] >= 3 else _decode_tensors(body["tensors"], files, block, where)
+    if body["format_version"] >= stored_as.TRANSFORMED_VERSION and body.get("transformed") is not None:
+        tensors = stored_as.decode(tensors, body["transformed"], where)
     step, world, run_id = body.get("step"), body["world_size"], body.get("run_id")
     _need(run_id is None or isinstance(run_id, str), where, f"bad run_id {run_id!r}")
+    durable_root = body.get("durable_root")
+    _need(durable_root is None or isinstance(durable_root, str), where, f"bad durable_root {durable_root!r}")
     _need(step is None or _is_int(step), where, f"bad step {step!r}")
     _need(_is_int(world, 1), where, f"bad world_size {world!r}")
     _need(isinstance(body["save_id"], str) and _is_int(body["seq"], 1)
           and type(body["created"]) in (int, float), where, "bad save_id, seq or created")
     tree = body["tree"]
     codec.check_tree(tree, where, tensors)
+    dcp = _decode_dcp(body["dcp"], where) if body.get("dcp") is not None else None
+    if dcp is not None:
+        dcp_nodes(dcp, tree, where)
     return Manifest(
         save_id=body["save_id"], seq=body["seq"], created=float(body["created"]), world_size=world,
         files=files, tensors=tensors, tree=tree, step=step, block_size=block, run_id=run_id,
-        metadata=decode_values(body.get("metadata") or {}, "metadata", where),
+        durable_root=durable_root, metadata=decode_values(body.get("metadata") or {}, "metadata", where),
         metrics=decode_values(body.get("metrics") or {}, "metrics", where), version=body["format_version"],
-        dcp=_decode_dcp(body["dcp"], where) if body.get("dcp") is not None else None)
+        dcp=dcp)
 
 
 def _decode_dcp(raw: Any, where: str) -> DcpRecord:
@@ -296,6 +321,44 @@ def _decode_dcp(raw: Any, where: str) -> DcpRecord:
         _need(isinstance(path, list) and bool(path) and all(type(p) is str or _is_int(p) for p in path), where,
               f"dcp item {fqn!r}: bad path {path!r}")
     return record
+
+
+MAPPING_TAGS = ("object", "$dict", "$odict")
+
+
+def children(node: Any, where: str) -> dict:
+    """The children of a container node of a tree by key as DCP names path parts: a
+    mapping's keys as strings, a list's or tuple's items by index."""
+    tag = codec.tag_of(node)
+    if tag in MAPPING_TAGS:
+        return {str(k): v for k, v in codec.items_of(node, where, False)}
+    if tag in ("list", "$tuple"):
+        return dict(codec.items_of(node, where, False))
+    raise CorruptCheckpointError(f"{where}: expected a container")
+
+
+def dcp_nodes(record: DcpRecord, tree: Any, where: str) -> dict[str, Any]:
+    """Each DCP item's node in the tree, checked: its path leads to it, it is no rank-local
+    value, and an item listed in ``bytesio`` holds bytes. Each container's children are
+    gathered once (a state has many items under few containers)."""
+    found: dict[int, dict] = {}
+    nodes = {}
+    for fqn, path in record.items.items():
+        node = tree
+        for part in path:
+            kids = found.get(id(node))
+            if kids is None:
+                kids = found[id(node)] = children(node, f"{where}: dcp item {fqn!r}")
+            if part not in kids:
+                raise CorruptCheckpointError(f"{where}: dcp item {fqn!r}: its path {list(path)} is not in the tree")
+            node = kids[part]
+        if codec.tag_of(node) == "$local" or (fqn in record.bytesio and not (
+                isinstance(node, dict) and list(node) == ["$bytes"])):
+            raise CorruptCheckpointError(f"{where}: dcp item {fqn!r} is listed as "
+                                         f"{'an io.BytesIO' if fqn in record.bytesio else 'an item'}, but the tree "
+                                         "holds something else there")
+        nodes[fqn] = node
+    return nodes
 
 
 def decode_values(node: Any, what: str, where: str) -> dict[str, Any]:

@@ -8,7 +8,9 @@ import re
 
 MANIFEST_RE = re.compile(r"manifest-([0-9]{6,})\.json", re.ASCII)
 DATA_RE = re.compile(r"data-([0-9a-f]+)-r([0-9]{5,})\.safetensors", re.ASCII)
-STEP_RE = re.compile(r"step-([0-9]{9,})", re.ASCII)  # a CheckpointManager's checkpoint folder
+# a CheckpointManager's checkpoint folder: exactly ``step_folder(step)`` (9 digits, or more
+# without a leading zero), so a step has one folder name and a name one step (§2.4)
+STEP_RE = re.compile(r"step-([0-9]{9}|[1-9][0-9]{9,})", re.ASCII)
 LEASE_RE = re.compile(r"safeckpt-writer-([0-9]{9,})\.json", re.ASCII)
 RETIRED = "safeckpt-retired"  # a retired checkpoint folder that still holds shared data
 
@@ -32,6 +34,13 @@ def data_file_name(save_id: str, rank: int) -> str:
 def step_folder(step: int) -> str:
     """Zero-padded so names sort like numbers: ``step-000000100``."""
     return f"step-{step:09d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a step folder's name, or None for any other name (``step-0000000002``,
+    ten digits, is not step 2's folder: only ``step_folder(step)`` is)."""
+    m = STEP_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
 
 
 def lease_name(epoch: int) -> str:

@@ -228,7 +228,16 @@ def check_shards(plan: WritePlan) -> None:
 def check_coverage(name: str, global_shape: tuple[int, ...], boxes: list[Box]) -> None:
     """The saved boxes of a tensor must tile it exactly: no gaps, no overlaps. Bounded
     by ``TILING_WORK`` steps per box and dimension, whatever the boxes (a crafted
-    manifest cannot make it slow or large); see ``_tiling_defect``."""
+    manifest cannot make it slow or large); see ``_tiling_defect``. A tensor with no
+    elements (a dimension of 0) is tiled by any boxes inside it, but one box alone must be
+    the whole tensor, as a manifest's single chunk is."""
+    n = len(global_shape)
+    for o, s in boxes:
+        if len(o) != n or len(s) != n or any(a < 0 or e < 0 or a + e > g for a, e, g in zip(o, s, global_shape)):
+            raise PlanError(f"tensor {name!r}: a piece lies outside the tensor's shape {list(global_shape)}")
+    if len(boxes) == 1 and tuple(boxes[0][1]) != tuple(global_shape):
+        raise PlanError(f"tensor {name!r}: its only piece, {list(boxes[0][1])} at {list(boxes[0][0])}, is not the "
+                        f"whole tensor {list(global_shape)}")
     total = sum(volume(s) for _, s in boxes)
     if total != volume(global_shape):
         raise PlanError(f"tensor {name!r}: the pieces cover {total} of {volume(global_shape)} "
@@ -261,8 +270,9 @@ def check_tilings(names: list[str], shapes: list[tuple[int, ...]], tensor: np.nd
     want = np.asarray([volume(s) for s in shapes], dtype=np.float64)
     approx = np.bincount(tensor, weights=volumes.astype(np.float64), minlength=n)
     # float64 sums of counts >= 0 are exact below 2^53 (and only grow); larger tensors
-    # (none a machine holds) are summed exactly in check_coverage
-    wrong = (approx != want) | (want >= 2.0**53)
+    # (none a machine holds) are summed exactly in check_coverage, as are tensors with no
+    # elements (whose volumes say nothing)
+    wrong = (approx != want) | (want >= 2.0**53) | (want == 0)
     grid = grid_tensors(tensor, offsets, extents, n, bound)
     for i in np.flatnonzero(wrong | ~grid).tolist():
         rows = tensor == i
@@ -363,7 +373,7 @@ def _tiling_defect(global_shape: tuple[int, ...], boxes: list[Box]) -> tuple[int
             if any(o[d] != 0 or s[d] != g for o, s in boxes)]
     ndim = len(dims)
     whole = (tuple(0 for _ in dims), tuple(global_shape[d] for d in dims))
-    start: dict[Box, int] = {whole: -1}
+    start: dict[Box, int] = {whole: -1} if volume(global_shape) else {}  # an empty tensor needs no box
     for o, s in boxes:
         if volume(s):  # an empty box holds nothing
             key = (tuple(o[d] for d in dims), tuple(s[d] for d in dims))

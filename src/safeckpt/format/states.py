@@ -15,6 +15,7 @@ class CheckpointState(str, enum.Enum):
     NEWER_FORMAT = "newer_format"  # written by a newer safeckpt: never skipped, never judged corrupt
     EMPTY = "empty"                # nothing in the folder (or no folder)
     RETIRED = "retired"            # deleted by retention; keeps data newer checkpoints share
+    UNREADABLE = "unreadable"      # the folder or a manifest could not be read (permissions, I/O errors)
 
     @property
     def label(self) -> str:
@@ -24,4 +25,4 @@ class CheckpointState(str, enum.Enum):
 
 _LABEL = {CheckpointState.COMMITTED: "committed", CheckpointState.TORN: "torn save", CheckpointState.CORRUPT: "CORRUPT",
           CheckpointState.NEWER_FORMAT: "newer format (upgrade safeckpt)", CheckpointState.EMPTY: "empty",
-          CheckpointState.RETIRED: "retired (data still shared)"}
+          CheckpointState.RETIRED: "retired (data still shared)", CheckpointState.UNREADABLE: "UNREADABLE"}

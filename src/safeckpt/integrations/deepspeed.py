@@ -20,8 +20,8 @@ DeepSpeed itself read them as before), and safeckpt's protocol commits them:
   the tag folder (``safeckpt.seal``: a manifest naming every file with size and
   checksum, written last). Any failure aborts the tag on every rank with
   ``SaveAbortedError`` naming each failing rank, and the attempt's files are removed;
-- ``latest`` is replaced atomically (temporary file, fsync, rename) only after the
-  commit, so it never names an uncommitted tag;
+- ``latest`` is replaced atomically (``Storage.open_replace``: temporary file, fsync,
+  rename) only after the commit, so it never names an uncommitted tag;
 - a tag that already has files (a committed tag saved again, or a torn attempt) is
   never touched before the new save commits: the save goes to a staging folder
   ``<tag>.safeckpt-<save id>``, is committed there, ``latest`` moves to it, and only
@@ -43,8 +43,9 @@ and primitive values, plus the four DeepSpeed classes its ZeRO files hold
 DeepSpeed reads its checkpoints with ``glob``, ``os.path`` and ``open()``, so the
 checkpoint folder must be a local path: a local disk or a network or FUSE filesystem
 mounted on every rank (NFS, Lustre, GPFS, a Mountpoint-S3 or GCSFuse mount). Where the
-filesystem cannot rename, ``latest`` is rewritten in place after the commit (it may be
-torn by a crash then; loading through the engine never reads it).
+filesystem cannot rename, ``latest`` is copied under its name after the commit (a
+process killed during that copy may leave it torn on such a mount; loading through the
+engine never reads it).
 """
 
 from __future__ import annotations
@@ -80,7 +81,6 @@ from ..run.retention import Retention
 from ..interop.sealing import seal
 from ..storage import LocalStorage, Storage
 from ..storage import open as open_storage
-from ..storage.local import fsync_folder
 from ..run.tiered import replicate
 
 __all__ = ["SAFE_GLOBALS", "SafeCheckpointEngine", "committed_tags", "install", "install_on_prepare"]
@@ -130,18 +130,10 @@ def remove_tree(storage: Storage) -> None:
 
 
 def replace_file(root: LocalStorage, name: str, data: bytes) -> None:
-    """Make ``root/name`` hold ``data``, atomically where the filesystem renames: a
-    durable temporary file renamed over it. Without rename (some FUSE mounts) the file
-    is rewritten in place."""
-    tmp = f"{name}.safeckpt-{new_save_id()}"
-    root.write_file(tmp, [data])
-    try:
-        root.fs.replace(os.path.join(root.path, tmp), os.path.join(root.path, name))
-    except OSError:
-        root.delete([tmp, name])
-        root.write_file(name, [data])
-        return
-    fsync_folder(root.path, root.fs)
+    """Make ``root/name`` hold ``data``, atomically (``Storage.open_replace``: a durable
+    temporary file renamed over it; where the filesystem cannot rename, a copy under the
+    final name)."""
+    root.replace_file(name, [data])
 
 
 def _serialize(state: Any, zipfile: bool) -> bytes:

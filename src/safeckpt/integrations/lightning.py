@@ -1,32 +1,58 @@
-"""PyTorch Lightning: every checkpoint the Trainer writes becomes a safeckpt checkpoint.
+"""PyTorch Lightning: the checkpoints the Trainer writes, made safe.
 
     trainer = Trainer(plugins=[SafeCheckpointIO()])
 
-``SafeCheckpointIO`` is a Lightning ``CheckpointIO`` plugin. Every path Lightning
-saves to (``epoch=0-step=4.ckpt``, ``last.ckpt``, ``trainer.save_checkpoint(path)``)
-becomes a safeckpt checkpoint *folder* at that path, on any URL safeckpt can open:
+``SafeCheckpointIO`` is a Lightning ``CheckpointIO`` plugin with two layouts.
 
-- a save is committed only when its manifest is written, so a kill mid-save never
-  leaves a checkpoint that looks valid; re-saving the same path (``save_last=True``
-  writes ``last.ckpt`` again and again) replaces it atomically: the old one loads
-  until the new manifest exists;
-- loading never runs code from the checkpoint: tensors are raw bytes and every other
-  value goes through safeckpt's restricted decoder (``weights_only=True`` is always
-  honoured; values that need pickle load only with ``allow_pickle=True``);
-- ``remove_checkpoint`` (top-k rotation) deletes the manifest first, then the data,
-  and returns when the checkpoint is gone;
+**The file layout (the default)** writes the ``.ckpt`` file stock Lightning writes,
+the same bytes ``torch.save`` makes, so ``torch.load``, ``pl_load``,
+``load_from_checkpoint``, a stock ``Trainer(ckpt_path=...)`` and
+``ModelCheckpoint(save_last="link")`` work unchanged. What it adds over stock
+Lightning (which serializes into a ``BytesIO`` and renames through an fsspec
+transaction, with no fsync):
+
+- the file replaces the old one atomically and is durable before it is visible
+  (``Storage.open_replace``: a temporary name in the same folder, fsync, rename,
+  folder fsync; one PUT of the final object on an object store; bounded retries of a
+  rename Windows refuses while another process holds the file; a copy under the final
+  name where a FUSE mount refuses rename), so a kill or a power cut leaves the old
+  complete file or the new complete one;
+- ``torch.save`` streams into the file: no second copy of the checkpoint in memory;
+- before a load, the archive's zip structure and the CRC-32 ``torch.save`` records for
+  every record are checked (``verify=True``), so a torn or changed file is refused
+  instead of loading wrong values; when the refused file is a ``last*.ckpt``, the
+  newest intact checkpoint in its folder is loaded instead, with a warning
+  (``fallback=True``), which is what ``fit(ckpt_path="last")`` resumes from;
 - with ``async_save=True`` a save returns once the tensors are copied to host memory
-  and commits in the background; a removal or load waits for it first.
+  and the file is written in the background (bytes identical to a synchronous save);
+- ``remove_checkpoint`` never follows a symbolic link: removing ``save_last="link"``'s
+  link removes the link, never the checkpoint it points to.
+
+**The folder layout** (``SafeCheckpointIO(layout="folder")``) makes every path a
+safeckpt checkpoint folder (a manifest written last over safetensors data files): no
+pickle at all (values that need it are refused unless ``allow_pickle=True``),
+``safeckpt verify`` / ``load_state`` on each path, and what the sharded strategies use.
+A re-save of a path replaces it atomically (the old one loads until the new manifest
+exists); ``remove_checkpoint`` deletes manifest first.
+
+Either plugin loads both layouts (and plain torch files), so a run can switch.
+``weights_only`` is honoured as ``torch.load`` honours it; ``allow_pickle=True``
+makes ``weights_only=None`` mean False.
 
 Lightning's sharded strategies write their checkpoints themselves through
 torch.distributed.checkpoint and never call a ``CheckpointIO``. For them,
 ``SafeModelParallelStrategy`` and ``SafeFSDPStrategy`` (drop-ins for
 ``ModelParallelStrategy`` and ``FSDPStrategy(state_dict_type="sharded")``, same
-arguments) save and load sharded checkpoints through ``safeckpt.dcp``: every rank writes
-its shards, rank 0 commits one manifest that also holds what Lightning keeps in
-``meta.pt`` (epoch, loops, callbacks, hyper-parameters), so ``ModelCheckpoint``'s
-rotation (which runs after the save returns) never deletes a checkpoint before its
-replacement is committed, and ``fit(ckpt_path="last")`` resumes from a committed one.
+arguments) save and load sharded checkpoints through ``safeckpt.dcp`` in the folder
+layout: every rank writes its shards, rank 0 commits one manifest that also holds what
+Lightning keeps in ``meta.pt`` (epoch, loops, callbacks, hyper-parameters), so
+``ModelCheckpoint``'s rotation (which runs after the save returns) never deletes a
+checkpoint before its replacement is committed, and ``fit(ckpt_path="last")`` resumes
+from a committed one.
+
+``LightningModule.load_from_checkpoint`` and ``pl_load`` open the path with fsspec and
+hand the stream to ``torch.load``; no plugin or strategy takes part, so they read the
+file layout only. ``load_from_checkpoint(cls, path)`` here reads both.
 
 Only ``lightning.pytorch`` (the ``lightning`` package) is supported: the classes of the
 separate ``pytorch_lightning`` package are different objects. DeepSpeed's checkpoints
@@ -37,14 +63,16 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 try:
     import lightning
-    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
     from lightning.fabric.utilities.cloud_io import get_filesystem
     from lightning_utilities.core.apply_func import apply_to_collection
@@ -54,25 +82,31 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         "'safeckpt[lightning]' (it builds on `lightning.pytorch`; the separate "
         f"`pytorch_lightning` package is not supported) [{_exc}]") from _exc
 
-from ..errors import CleanupWarning, warn
-from ..run.asyncsave import AsyncSaver
-from ..protocol.checkpoint import CheckpointInfo, gc_paused, load_state, save_request
+from ..errors import (CleanupWarning, CorruptCheckpointError, SafeckptWarning, SkippedCheckpointWarning,
+                      UnsafeObjectError, warn)
 from ..format.folder import retire
-from ..protocol.commit import DATA_RE
-from ..errors import UnsafeObjectError
 from ..format.manifest import manifest_seq
-from ..run.garbage import garbage_in
+from ..interop.torchfile import check_torch_file, host_snapshot, write_torch_file
+from ..protocol.checkpoint import CheckpointInfo, gc_paused, load_state, save_request
+from ..protocol.checkpoint import verify as safeckpt_verify
+from ..protocol.commit import DATA_RE
 from ..protocol.group import SingleGroup
+from ..protocol.staging import StagingPool
 from ..protocol.state import is_stateful
-from ..storage import Storage, is_remote
+from ..run.asyncsave import AsyncSaver
+from ..run.garbage import garbage_in
+from ..storage import LocalStorage, Storage, is_remote
+from ..storage.base import is_replace_temp
 from ..storage import open as open_storage
 
 __all__ = ["SafeCheckpointIO", "SafeModelParallelStrategy", "SafeFSDPStrategy", "load_from_checkpoint",
-           "remove_interrupted_saves"]
+           "remove_checkpoint_at", "remove_interrupted_saves", "LAYOUTS"]
 
 log = logging.getLogger(__name__)
 
 MIN_LIGHTNING = (2, 2)
+_SAVER_LOCK = threading.Lock()  # makes and drops the plugins' savers (a lock per plugin would not pickle)
+LAYOUTS = ("file", "folder")  # SafeCheckpointIO(layout=...): Lightning's .ckpt file, or a safeckpt folder
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -94,37 +128,98 @@ _UNSAFE_HINT = (
     "then runs code from the checkpoint and needs the same opt-in")
 
 
-class SafeCheckpointIO(CheckpointIO):
-    """Lightning ``CheckpointIO`` that saves through safeckpt (see module docstring).
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Lightning ``CheckpointIO`` that saves safely (see the module docstring). A
+    ``TorchCheckpointIO``, as its files are, whose every method is its own.
 
-    ``async_save``: return from a save once the state is snapshotted (tensors copied to
-    host memory, other values encoded) and commit in a background thread; at most one
-    save is in flight. ``allow_pickle``: store values the restricted codec refuses with
-    pickle, and load them (never when ``weights_only=True``). ``verify``: check every
-    chunk's checksum on load. ``storage_options``: for fsspec URLs (merged with those
-    Lightning passes per save)."""
+    ``layout``: ``"file"`` (Lightning's own ``.ckpt`` file) or ``"folder"`` (a safeckpt
+    checkpoint folder). ``async_save``: return from a save once the state is
+    snapshotted (tensors copied to host memory) and write it in a background thread; at
+    most one save is in flight, and its error is raised by the next save, removal, load
+    or ``teardown``. ``allow_pickle``: folder layout, store values the restricted codec
+    refuses with pickle; both layouts, ``weights_only=None`` loads with pickle.
+    ``verify``: check a file's CRC-32s, a folder's checksums, on load. ``fallback``: a
+    ``last*.ckpt`` that fails its check gives way to the newest intact checkpoint in
+    its folder. ``storage_options``: for fsspec URLs (merged with those Lightning
+    passes per save)."""
 
-    def __init__(self, *, async_save: bool = False, allow_pickle: bool = False, verify: bool = True,
-                 storage_options: dict | None = None) -> None:
+    def __init__(self, *, layout: str = "file", async_save: bool = False, allow_pickle: bool = False,
+                 verify: bool = True, fallback: bool = True, storage_options: dict | None = None) -> None:
         super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"SafeCheckpointIO(layout={layout!r}): choose one of {', '.join(map(repr, LAYOUTS))}")
+        self.layout = layout
         self.async_save = async_save
         self.allow_pickle = allow_pickle
         self.verify = verify
+        self.fallback = fallback
         self.storage_options = dict(storage_options or {})
         self._saver: AsyncSaver | None = None
 
     # -- save -----------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any | None = None) -> None:
-        """Save ``checkpoint`` as a safeckpt folder at ``path``, atomically replacing a
-        checkpoint already there. Called by Lightning on the global-zero rank only, so
-        it never waits for the other ranks."""
+        """Save ``checkpoint`` at ``path`` in this plugin's layout, atomically replacing
+        a checkpoint already there. Called by Lightning on the global-zero rank only,
+        so it never waits for the other ranks."""
         if not isinstance(checkpoint, dict):
             raise TypeError(f"a Lightning checkpoint is a dict, not {type(checkpoint).__name__}")
+        options = self._options(storage_options)
+        if self.layout == "file":
+            self._save_file(checkpoint, path, options)
+        else:
+            self._save_folder(checkpoint, path, options)
+
+    def _storage(self, url: str, options: dict) -> Storage:
+        """The storage of the folder ``url`` that a file-layout checkpoint is written
+        into (a subclass may wrap it: the tests kill the process mid-write there)."""
+        return open_storage(url, **options)
+
+    def _save_file(self, checkpoint: dict, path: Any, options: dict) -> None:
+        folder, name = self._place(path, options)
+        url = _url(path)
+        _clear_for_file(folder, name)
+        started = time.perf_counter()
+        if self.async_save:
+            def prepare(pool: StagingPool) -> Callable[[], int]:
+                snapshot = host_snapshot(checkpoint, pool)
+
+                def work() -> int:
+                    try:
+                        return write_torch_file(snapshot.value, folder, name, lambda: self._before_commit(url))
+                    finally:
+                        snapshot.release()
+                return work
+            try:
+                self._async_saver().submit_prepared(
+                    prepare, lambda size, blocked: _log_file(url, size, started, blocked))
+                return
+            except Exception as exc:  # noqa: BLE001 - a value deepcopy refuses: save it now instead
+                warn(f"{url} was saved synchronously: the checkpoint holds a value that cannot be copied "
+                     f"for a background save ({type(exc).__name__}: {exc})", SafeckptWarning)
+        size = write_torch_file(checkpoint, folder, name, lambda: self._before_commit(url))
+        _log_file(url, size, started, 0.0)
+
+    def _place(self, path: Any, options: dict) -> tuple[Storage, str]:
+        """The storage of the folder a checkpoint file goes in, and the file's name."""
+        if isinstance(path, Storage):
+            return path.parent(), path.url.rstrip("/").rsplit("/", 1)[-1]
+        text = os.fspath(path)
+        if is_remote(text):
+            parent, _, name = text.rstrip("/").rpartition("/")
+        else:
+            parent, name = os.path.split(os.path.abspath(text.removeprefix("file://")))
+        return self._storage(parent, options), name
+
+    def _save_folder(self, checkpoint: dict, path: Any, options: dict) -> None:
         url = _url(path)
         _refuse_stateful(checkpoint, url)
+        if not isinstance(path, Storage) and not is_remote(url) and (os.path.islink(url) or os.path.isfile(url)):
+            # save_last="link"'s link (replace the link, never its target), or a file the
+            # file layout wrote: a folder cannot replace either in one step
+            os.unlink(url)
         request = save_request(path, overwrite=True, metadata=_metadata(checkpoint),
-                               process_group=SingleGroup(), storage_options=self._options(storage_options),
+                               process_group=SingleGroup(), storage_options=options,
                                allow_pickle=self.allow_pickle, step=_step(checkpoint),
                                before_commit=lambda: self._before_commit(url))
         folder = request.storage
@@ -133,17 +228,16 @@ class SafeCheckpointIO(CheckpointIO):
             info = _run_sync(request, checkpoint, url, started)
             self._after_commit(folder, info)
             return
-        if self._saver is None:
-            self._saver = AsyncSaver()
         try:
-            self._saver.submit(checkpoint, request, on_done=lambda info, blocked: self._after_commit(folder, info))
+            self._async_saver().submit(checkpoint, request, on_done=lambda info, blocked: self._after_commit(folder, info))
         except UnsafeObjectError as exc:
             raise UnsafeObjectError(f"cannot save the Lightning checkpoint {url}: {exc}. {_UNSAFE_HINT}") from exc
 
     def _before_commit(self, url: str) -> None:
-        """Called after the data files of a save to ``url`` are durable and just before
-        its manifest is written (the commit). A no-op; a subclass may override it (the
-        tests kill the process here)."""
+        """Called once every byte of a save to ``url`` is durable (the folder layout's
+        data files, the file layout's temporary file) and just before it is committed
+        (the manifest; the rename). A no-op; a subclass may override it (the tests kill
+        the process here)."""
 
     def _after_commit(self, folder: Storage, info: CheckpointInfo) -> None:
         """Remove what interrupted saves into the same path left (data files without a
@@ -160,55 +254,104 @@ class SafeCheckpointIO(CheckpointIO):
     # -- load -----------------------------------------------------------------------------
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """The checkpoint at ``path`` as Lightning's dict, tensors on the CPU (or moved by
-        ``map_location``: a device, a ``{"cpu": device}`` dict, or a callable applied to
-        each tensor). Never runs code from the checkpoint unless the plugin was made with
-        ``allow_pickle=True`` and ``weights_only`` is not True. A plain torch file (a
-        checkpoint from before the switch to safeckpt) is read with ``torch.load``
-        under the same rule."""
+        """The checkpoint at ``path`` (a file or a folder, whatever this plugin's
+        layout) as Lightning's dict. A file is checked first (``verify``) and loaded
+        with ``torch.load``; a ``last*.ckpt`` that fails the check gives way to the
+        newest intact checkpoint in its folder (``fallback``). A folder's tensors come
+        back on the CPU (or moved by ``map_location``: a device, a ``{"cpu": device}``
+        dict, or a callable applied to each tensor) and its values never run code
+        unless pickle is allowed."""
         self.wait()
-        allow_pickle = self.allow_pickle and weights_only is not True
         options = self._options(None)
-        if _is_file(path, options):
-            with get_filesystem(path, **options).open(_url(path), "rb") as f:
-                return torch.load(f, map_location=map_location or "cpu", weights_only=not allow_pickle)
+        if not _is_file(path, options):
+            return self._load_folder(path, map_location, weights_only, options)
+        try:
+            return self._load_file(_url(path), map_location, weights_only, options)
+        except CorruptCheckpointError as exc:
+            if not (self.fallback and _is_last_name(_url(path))):
+                raise
+            instead = self._newest_intact(_url(path), options)
+            if instead is None:
+                raise CorruptCheckpointError(f"{exc}; no intact checkpoint in its folder to fall back to") from exc
+            warn(f"{_url(path)} failed its check ({exc}); loading {instead}, the newest intact checkpoint "
+                 "in its folder, instead", SkippedCheckpointWarning)
+            if _is_file(instead, options):
+                return self._load_file(instead, map_location, weights_only, options)
+            return self._load_folder(instead, map_location, weights_only, options)
+
+    def _allow_pickle(self, weights_only: bool | None) -> bool:
+        return weights_only is False or (weights_only is None and self.allow_pickle)
+
+    def _load_file(self, url: str, map_location: Any, weights_only: bool | None, options: dict) -> dict[str, Any]:
+        with get_filesystem(url, **options).open(url, "rb") as f:
+            if self.verify:
+                check_torch_file(f, url)
+            wo = False if self._allow_pickle(weights_only) else weights_only
+            return torch.load(f, map_location=map_location or "cpu", weights_only=wo)
+
+    def _load_folder(self, path: Any, map_location: Any, weights_only: bool | None, options: dict) -> dict[str, Any]:
+        allow_pickle = self._allow_pickle(weights_only)
         try:
             checkpoint = load_state(path, verify=self.verify, storage_options=options, allow_pickle=allow_pickle)
         except UnsafeObjectError as exc:
-            how = ("weights_only=True refuses them" if self.allow_pickle
-                   else "load with SafeCheckpointIO(allow_pickle=True), and only if you trust who wrote it")
+            how = ("weights_only=True refuses them" if weights_only
+                   else "load with weights_only=False or SafeCheckpointIO(allow_pickle=True), and only if you "
+                        "trust who wrote it")
             raise UnsafeObjectError(f"{exc} ({_url(path)} holds pickled values; {how})") from exc
         return _map_location(checkpoint, map_location)
 
+    def _newest_intact(self, url: str, options: dict) -> str | None:
+        """The newest checkpoint (by modification time, as Lightning picks "last") in
+        the folder of ``url``, other than it, that passes its check."""
+        fs = get_filesystem(url, **options)
+        folder = url.rstrip("/").rpartition("/")[0] if is_remote(url) else os.path.dirname(os.path.abspath(url))
+        try:
+            names = [p for p in fs.ls(folder, detail=False) if str(p).endswith(".ckpt")]
+        except OSError:
+            return None
+
+        def modified(p: str) -> float:
+            try:
+                return fs.modified(p).timestamp()
+            except Exception:  # noqa: BLE001 - unknown: last
+                return 0.0
+        here = os.path.basename(url.rstrip("/"))
+        for candidate in sorted(names, key=modified, reverse=True):
+            where = fs.unstrip_protocol(candidate) if is_remote(url) else str(candidate)
+            if os.path.basename(where.rstrip("/")) == here:
+                continue
+            if _intact(where, options):
+                return where
+        return None
+
     # -- remove ---------------------------------------------------------------------------
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint at ``path``: its manifests first (from then on it is not
-        a checkpoint), then its data files, then the folder if nothing else is in it.
-        Waits for an async save in flight first, so a checkpoint is never deleted before
-        the one that replaces it is committed (and raises if that save failed)."""
+        """Delete the checkpoint at ``path``: a file (or a symbolic link: the link
+        itself, never what it points to), or a safeckpt folder (its manifests first, from
+        then on it is not a checkpoint, then its data files, then the folder if nothing
+        else is in it). Waits for an async save in flight first, so a checkpoint is never
+        deleted before the one that replaces it is committed (and raises if that save
+        failed)."""
         self.wait()
-        options = self._options(None)
-        if _is_file(path, options):  # a plain torch checkpoint
-            fs = get_filesystem(path, **options)
-            fs.rm(_url(path))
-            return
-        storage = open_storage(path, **options)
-        retire(storage, keep=None)
-        storage.remove_folder()
-        left = storage.listdir()
-        if left:
-            warn(f"removed the checkpoint {storage.url}, but the folder still holds files safeckpt "
-                 f"did not write, so it was kept: {sorted(left)[:5]}", CleanupWarning)
+        remove_checkpoint_at(path, self._options(None))
 
     # -- lifetime -------------------------------------------------------------------------
-    def wait(self) -> CheckpointInfo | None:
+    def _async_saver(self) -> AsyncSaver:
+        """This plugin's saver, made once even when several threads save at once."""
+        with _SAVER_LOCK:
+            if self._saver is None:
+                self._saver = AsyncSaver()
+            return self._saver
+
+    def wait(self) -> Any:
         """Wait for the async save in flight (if any); raise its error if nobody saw it."""
         return self._saver.wait() if self._saver is not None else None
 
     def teardown(self) -> None:
         """Called by Lightning at the end of fit/validate/test: waits for the save in
         flight and releases the host staging buffers."""
-        saver, self._saver = self._saver, None
+        with _SAVER_LOCK:
+            saver, self._saver = self._saver, None
         if saver is not None:
             saver.close()
 
@@ -217,6 +360,84 @@ class SafeCheckpointIO(CheckpointIO):
             raise TypeError(f"SafeCheckpointIO: storage_options must be a dict of fsspec options, "
                             f"not {type(per_call).__name__}")
         return {**self.storage_options, **(per_call or {})}
+
+
+def _log_file(url: str, size: int, started: float, blocked: float) -> None:
+    log.debug("lightning checkpoint written: %s (%d bytes, %.3fs, %.3fs blocked)", url, size,
+              time.perf_counter() - started, blocked)
+
+
+def _clear_for_file(folder: Storage, name: str) -> None:
+    """A safeckpt folder at ``name`` (the run saved in the folder layout before) gives
+    way to the file: a file cannot replace a folder in one step, so the folder goes
+    first, manifest first (a kill in between leaves no checkpoint under this name; the
+    others in the folder stay)."""
+    if folder.listdir().get(name, 0) is None and _is_safeckpt_folder(folder.child(name)):
+        _remove_folder(folder.child(name))
+
+
+def _is_last_name(url: str) -> bool:
+    """A name ``ModelCheckpoint`` gives its "last" checkpoint (``last.ckpt``,
+    ``last-v1.ckpt``, ``last-{epoch}.ckpt``), which stands for the newest."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return os.path.basename(url.rstrip("/")).startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST)
+
+
+def _intact(where: str, options: dict) -> bool:
+    """Whether the checkpoint at ``where`` (a file or a folder) passes its check."""
+    try:
+        if _is_file(where, options):
+            with get_filesystem(where, **options).open(where, "rb") as f:
+                check_torch_file(f, where)
+            return True
+        return safeckpt_verify(where, storage_options=options).ok
+    except Exception:  # noqa: BLE001 - unreadable counts as not intact
+        return False
+
+
+def remove_checkpoint_at(path: Any, options: dict | None = None) -> None:
+    """Remove the checkpoint at ``path`` without ever following a symbolic link (see
+    ``SafeCheckpointIO.remove_checkpoint``). A folder that is not a safeckpt checkpoint
+    (a stock strategy's) is removed as Lightning removes it."""
+    options = options or {}
+    if isinstance(path, Storage):
+        _remove_folder(path)
+        return
+    url = _url(path)
+    if not is_remote(url):
+        local = os.path.abspath(url.removeprefix("file://"))
+        try:
+            mode = os.lstat(local).st_mode
+        except FileNotFoundError:
+            return
+        parent, name = os.path.split(local)
+        if not stat.S_ISDIR(mode):  # a file or a link: unlink it, durably
+            LocalStorage(parent).delete([name])
+            return
+    else:
+        parent, _, name = url.rstrip("/").rpartition("/")
+        size = open_storage(parent, **options).listdir().get(name, -1)
+        if size == -1:
+            return
+        if size is not None:
+            open_storage(parent, **options).delete([name])
+            return
+    folder = open_storage(url, **options)
+    if _is_safeckpt_folder(folder):
+        _remove_folder(folder)
+    else:
+        get_filesystem(url, **options).rm(url, recursive=True)
+
+
+def _remove_folder(storage: Storage) -> None:
+    """A safeckpt folder: manifests first, then data, then the folder if empty."""
+    retire(storage, keep=None)
+    storage.remove_folder()
+    left = storage.listdir()
+    if left:
+        warn(f"removed the checkpoint {storage.url}, but the folder still holds files safeckpt "
+             f"did not write, so it was kept: {sorted(left)[:5]}", CleanupWarning)
 
 if TYPE_CHECKING:  # what the mixin is mixed into: the strategy's methods and properties
     from lightning.pytorch.strategies import ParallelStrategy as _StrategyBase
@@ -252,8 +473,8 @@ class _SafeShardedCheckpoints(_StrategyBase):
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         if self.is_global_zero:
             _refuse_stateful(checkpoint, path)
-            if "://" not in path and os.path.isfile(path):  # a plain torch checkpoint was saved here before
-                os.unlink(path)
+            if "://" not in path and (os.path.islink(path) or os.path.isfile(path)):
+                os.unlink(path)  # a plain torch checkpoint was saved here before, or save_last="link"'s link
         dcp.save(state, storage_writer=Writer(self._storage(path), step=_step(checkpoint),
                                               metadata=_metadata(checkpoint), extra={self._META_KEY: checkpoint}))
 
@@ -270,10 +491,7 @@ class _SafeShardedCheckpoints(_StrategyBase):
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            if _is_safeckpt_folder(str(filepath)):
-                SafeCheckpointIO().remove_checkpoint(self._storage(str(filepath)))
-            else:
-                super().remove_checkpoint(filepath)
+            remove_checkpoint_at(filepath)  # never through a link (save_last="link")
 
     def _fitting(self) -> bool:
         from lightning.pytorch.trainer.states import TrainerFn
@@ -344,7 +562,7 @@ class SafeFSDPStrategy(_SafeShardedCheckpoints, FSDPStrategy):
                     optim_state_dict=optim_state[key], model=self.model, optim=optimizer))
 
 
-def _is_safeckpt_folder(path: str) -> bool:
+def _is_safeckpt_folder(path: Any) -> bool:
     """A folder safeckpt wrote into (committed or not): it holds a manifest or a data file."""
     try:
         names = open_storage(path).listdir()
@@ -460,14 +678,20 @@ def load_from_checkpoint(cls: Any, path: Any, *, map_location: Any = None, stric
 def remove_interrupted_saves(dirpath: Any, *, storage_options: dict | None = None,
                              dry_run: bool = False) -> list[str]:
     """Remove what saves killed before their commit left in a ``ModelCheckpoint``
-    directory: folders holding safeckpt data files but no committed checkpoint, and
-    stray data files in committed ones. Returns what was (or would be) removed, as
-    ``folder/name``. Only safeckpt's own file names are touched; call it while nothing
-    is saving into ``dirpath`` (for example before ``trainer.fit(ckpt_path="last")``)."""
+    directory: the hidden temporary files of the file layout
+    (``.last.ckpt.safeckpt-<id>.tmp``), folders holding safeckpt data files but no
+    committed checkpoint, and stray data files in committed ones. Returns what was (or
+    would be) removed, as ``name`` or ``folder/name``. Only safeckpt's own file names are
+    touched; call it while nothing is saving into ``dirpath`` (for example before
+    ``trainer.fit(ckpt_path="last")``)."""
     root = open_storage(dirpath, **(storage_options or {}))
     removed: list[str] = []
     for name, size in sorted(root.listdir().items()):
         if size is not None:
+            if is_replace_temp(name):
+                removed.append(name)
+                if not dry_run:
+                    root.delete([name])
             continue
         folder = root.child(name)
         manifests, data = garbage_in(folder)

@@ -1,34 +1,45 @@
-"""Crash-safe checkpoints for the Hugging Face ``Trainer``.
+"""Crash-safe checkpoints for the Hugging Face ``Trainer``: its own files, sealed.
 
-Two ways in, both keeping the Trainer's ``output_dir/checkpoint-N`` layout:
+The ``Trainer`` writes ``output_dir/checkpoint-N`` file by file with no commit marker,
+so a kill mid-save leaves a folder that looks like a checkpoint. Both ways in keep every
+file the Trainer writes (``model.safetensors``, ``config.json``, ``optimizer.pt``,
+``scheduler.pt``, ``rng_state*.pth``, ``trainer_state.json``, tokenizer files, DeepSpeed
+and FSDP shards), written where the Trainer writes them, and seal the folder once every
+process has finished (``safeckpt.seal``: a checksum of every file and a manifest,
+written last by the main process). ``from_pretrained("out/checkpoint-500")``, the Hub
+upload and scripts that read those files keep working.
 
-``SafeCheckpointCallback`` (public callback API only, so it survives Trainer
-versions): after the Trainer writes ``checkpoint-N`` it *seals* the folder
-(``safeckpt.seal``: a checksum of every file and a manifest, written last), and it
-takes rotation over from the Trainer, whose own rotation deletes with ``rmtree``
-before the new checkpoint is complete::
+``SafeCheckpointCallback`` (public callback API only, so it survives Trainer versions)::
 
     trainer = Trainer(..., callbacks=[SafeCheckpointCallback()])
     trainer.train(resume_from_checkpoint=last_checkpoint(args.output_dir))
 
-``SafeTrainer`` (or ``SafeTrainerMixin`` on your own ``Trainer`` subclass) writes the
-model, optimizer, scheduler, scaler, RNG states and trainer state through safeckpt
-itself (no torch pickles) and resumes from them. It overrides private ``Trainer``
-methods, so it checks the transformers version and refuses unsupported ones.
+``SafeTrainer`` (or ``SafeTrainerMixin`` on your own ``Trainer`` subclass) does the same
+and also guards resuming: ``train(resume_from_checkpoint=True)`` takes the newest sealed,
+intact checkpoint, a named one must match its seal, and ``load_best_model_at_end`` loads
+only a sealed one. ``SafeTrainer(..., checkpoint_layout="safeckpt")`` writes the
+optimizer, scheduler, scaler, RNG states and trainer state through safeckpt itself (no
+torch pickles; FSDP shards that load on another number of processes) next to the
+Trainer's model files, under the same seal. It overrides private ``Trainer`` methods,
+so it checks the transformers version and refuses unsupported ones.
 
-``last_checkpoint(output_dir)`` is the newest ``checkpoint-N`` that is sealed and
-whose every byte matches its checksums; ``transformers.trainer_utils.
-get_last_checkpoint`` picks the highest number even when that save never finished.
+Rotation (``save_total_limit``) keeps what the Trainer keeps, counting sealed
+checkpoints only, after the new one is sealed, never deleting the newest sealed one or
+the best one, manifest first. ``last_checkpoint(output_dir)`` is the newest sealed
+``checkpoint-N`` whose every byte matches its checksums;
+``transformers.trainer_utils.get_last_checkpoint`` picks the highest number even when
+that save never finished.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import random
 import re
-import shutil
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -47,17 +58,15 @@ from packaging.version import Version
 from ..errors import CleanupWarning, PartialLoadWarning, SafeckptWarning, SkippedCheckpointWarning, warn
 from ..format import codec
 from ..protocol.checkpoint import load as safeckpt_load
-from ..protocol.checkpoint import save, verify
-from ..format.folder import CheckpointState, folder_state, read_committed, retire
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
-from ..format.manifest import Manifest, manifest_seq
-from ..protocol.reader import TensorReader
+from ..protocol.checkpoint import save
+from ..format.manifest import Manifest
 from ..interop.sealing import seal
 from ..protocol.shards import RankLocal
-from ..storage import open as open_storage
+from ._sealed import barrier, check_named, newest_intact, remove_folder, seal_of, seal_problem, sealed_or_why
 from ._fsdp import ShardedModel, ShardedOptimizer, is_fsdp
 
 __all__ = [
+    "LAYOUTS",
     "SUPPORTED_TRANSFORMERS",
     "SafeCheckpointCallback",
     "SafeTrainer",
@@ -69,11 +78,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 TRAINER_STATE_NAME = "trainer_state.json"
+TRAINING_ARGS_NAME = "training_args.bin"
 CHECKPOINT_RE = re.compile(rf"{re.escape(PREFIX_CHECKPOINT_DIR)}-([0-9]+)")
 #: transformers versions whose private Trainer methods SafeTrainer overrides (tested: 5.24)
 SUPPORTED_TRANSFORMERS = (Version("5.0"), Version("6.0"))
+#: ``checkpoint_layout`` values: the Trainer's own files, sealed (the default), or
+#: safeckpt's data file for everything but the model files
+LAYOUTS = ("trainer", "safeckpt")
 _KIND = "transformers.SafeTrainer"
-_LIMIT_ATTR = "_safeckpt_save_total_limit"  # the user's save_total_limit, kept on the args
 _PER_RANK_FIELDS = ("is_local_process_zero", "is_world_process_zero")
 _FROM_ARGS: Any = object()
 
@@ -96,37 +108,17 @@ def _checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, str]]:
 
 
 def _committed(path: str) -> Manifest | str:
-    """The manifest of a sealed Trainer checkpoint, or why it is not one. Sealed means a
-    valid manifest that also covers ``trainer_state.json`` (``Trainer.train`` reads it)."""
-    found = folder_state(open_storage(path))
-    if found.state is CheckpointState.NEWER_FORMAT:
-        raise UnsupportedFormatError(found.problem)  # never passed over for an older checkpoint
-    if found.manifest is None:
-        if found.state is CheckpointState.CORRUPT:
-            return f"damaged: {found.problem}"
-        return ("not sealed: it has no safeckpt manifest (a save that never finished, or one "
-                "written without SafeCheckpointCallback / SafeTrainer)")
-    if TRAINER_STATE_NAME not in found.manifest.files:
-        return (f"not sealed: its manifest does not cover {TRAINER_STATE_NAME} (a save "
-                "interrupted before its seal)")
-    return found.manifest
+    """The seal of a Trainer checkpoint, or why it has none. It must also cover
+    ``trainer_state.json`` (``Trainer.train`` reads it; the safeckpt layout commits its
+    tensors before the seal covers the rest)."""
+    return sealed_or_why(path, (TRAINER_STATE_NAME,))
 
 
 def checkpoint_problem(path: str, *, full: bool = True) -> str | None:
     """None when ``path`` is a sealed Trainer checkpoint whose every byte matches its
     checksums (``full=False``: only the manifest and file sizes are checked), else why
     it is not."""
-    try:
-        found = _committed(path)
-        if isinstance(found, str):
-            return found
-        if full:
-            report = verify(path)
-            if not report.ok:
-                return "corrupt: " + "; ".join(report.problems)
-    except (CheckpointError, OSError) as exc:
-        return f"unreadable: {exc}"
-    return None
+    return seal_problem(path, (TRAINER_STATE_NAME,), full=full)
 
 
 def last_checkpoint(output_dir: str | os.PathLike) -> str | None:
@@ -136,107 +128,101 @@ def last_checkpoint(output_dir: str | os.PathLike) -> str | None:
     Newer folders that are incomplete (a save killed before its seal) or corrupt are
     skipped with a warning naming each. None when there is no such checkpoint, or the
     folder is empty or missing."""
-    for _, path in reversed(_checkpoints(output_dir)):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return path
-        warn(f"last_checkpoint: skipping {path}: {problem}", SkippedCheckpointWarning)
-    return None
+    return newest_intact((path for _, path in reversed(_checkpoints(output_dir))),
+                                 (TRAINER_STATE_NAME,), who="last_checkpoint")
 
 
 # -- rotation --------------------------------------------------------------------------
-
-def take_over_rotation(args: Any) -> int | None:
-    """Remember the user's ``args.save_total_limit`` and set it to None, so that the
-    Trainer never deletes a checkpoint itself (it does so before the new one is complete,
-    and at the end of training). Idempotent: the user's value is kept on ``args``."""
-    if not hasattr(args, _LIMIT_ATTR):
-        object.__setattr__(args, _LIMIT_ATTR, args.save_total_limit)
-    args.save_total_limit = None
-    return getattr(args, _LIMIT_ATTR)
-
 
 def _same(a: str | None, b: str | None) -> bool:
     return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
-def delete_checkpoint(path: str) -> None:
-    """Delete a checkpoint folder: its manifests first (durably, so a crash mid-delete
-    never leaves a folder that looks sealed), then everything else."""
-    retire(open_storage(path), keep=None)
-    shutil.rmtree(path)
-
-
 def rotate(output_dir: str, limit: int | None, *, best: str | None, just_saved: str | None) -> list[str]:
-    """Keep the newest ``limit`` sealed checkpoints plus the best one (and always the
-    newest sealed and the one just saved); delete the other sealed ones. Folders that
-    are not sealed are never touched here. Returns the deleted paths."""
+    """The Trainer's ``save_total_limit`` rule over sealed checkpoints: keep
+    ``max(limit, protected)`` of them, where the newest sealed one, the best one and
+    the one just saved are protected, and delete the oldest others, manifest first.
+    Folders that are not sealed are neither counted nor touched. Returns the deleted
+    paths."""
     if limit is None or limit <= 0:
         return []
     sealed = [path for _, path in _checkpoints(output_dir) if not isinstance(_committed(path), str)]
     if not sealed:
         return []
-    keep = sealed[-limit:] + [sealed[-1]]
+    protected = [p for p in sealed if any(_same(p, k) for k in (sealed[-1], best, just_saved))]
+    remaining = len(sealed)
     deleted = []
     for path in sealed:
-        if any(_same(path, k) for k in (*keep, best, just_saved)):
+        if remaining <= max(limit, len(protected)):
+            break
+        if path in protected:
             continue
         try:
-            delete_checkpoint(path)
+            remove_folder(path)
         except OSError as exc:
             warn(f"could not delete old checkpoint {path}: {exc}", CleanupWarning)
             continue
         log.info("deleted %s (save_total_limit=%s)", path, limit)
         deleted.append(path)
+        remaining -= 1
     return deleted
 
 
-def _barrier() -> None:
-    """Every rank has written its files (the Trainer writes per-rank RNG files)."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def _seal(path: str, step: int, sealed_by: str) -> None:
+    info = seal(path, step=step, metadata={"sealed_by": f"safeckpt.integrations.transformers.{sealed_by}",
+                                           "transformers_version": transformers.__version__})
+    log.info("sealed %s (%d files, %d bytes, %.3fs)", path, len(info.files), info.bytes, info.seconds)
 
 
-def _unseal(path: str) -> None:
-    """Remove the manifests of a folder the Trainer is about to write into again (a
-    resumed run re-saving a step), so it never looks sealed while being rewritten."""
-    storage = open_storage(path)
-    manifests = sorted((n for n in storage.listdir() if manifest_seq(n) is not None), reverse=True)
-    if manifests:
-        storage.delete(manifests)
+def _may_save(args: Any, control: Any) -> bool:
+    """Whether the Trainer may save at the end of this step or epoch (with
+    ``save_strategy="best"`` it decides only after the evaluation)."""
+    return bool(control.should_save or (args.save_strategy == SaveStrategy.BEST and control.should_evaluate))
+
+
+@contextlib.contextmanager
+def _trainer_rotation_off(args: Any) -> Iterator[None]:
+    """The Trainer's own rotation deletes old checkpoints before the new one is sealed
+    (and counts unsealed folders); the integration rotates after the seal instead."""
+    limit, args.save_total_limit = args.save_total_limit, None
+    try:
+        yield
+    finally:
+        args.save_total_limit = limit
 
 
 # -- the callback ----------------------------------------------------------------------
 
 class SafeCheckpointCallback(TrainerCallback):
-    """Seal every ``checkpoint-N`` the Trainer writes and do its rotation safely.
+    """Seal every ``checkpoint-N`` the Trainer writes and rotate safely.
 
-    In ``on_save`` (synchronously: callbacks listed before this one have run) it seals
-    the folder; then it deletes older sealed checkpoints beyond ``save_total_limit``,
-    manifest first, never the newest sealed one nor ``state.best_model_checkpoint``.
-    ``save_total_limit`` defaults to the TrainingArguments' value, which the callback
-    sets to None so that the Trainer never deletes anything itself."""
+    Before a step that may save, a folder an older run left at that step is deleted
+    (manifest first), and the Trainer's own rotation is switched off until the save is
+    sealed (``args.save_total_limit`` reads None only in that window). In ``on_save``
+    (synchronously: callbacks listed before this one have run) every process has
+    finished, the main process seals the folder, then deletes sealed checkpoints
+    beyond ``save_total_limit`` as the Trainer would, manifest first, never the newest
+    sealed one nor ``state.best_model_checkpoint``. ``save_total_limit`` defaults to
+    the TrainingArguments' value."""
 
     def __init__(self, save_total_limit: int | None = _FROM_ARGS) -> None:
         self.save_total_limit = save_total_limit
+        self._window: contextlib.ExitStack | None = None
 
-    def _take_over(self, args: Any) -> None:
-        limit = take_over_rotation(args)
-        if self.save_total_limit is _FROM_ARGS:
-            self.save_total_limit = limit
+    def _close_window(self) -> None:
+        if self._window is not None:
+            self._window.close()
+            self._window = None
 
-    def on_init_end(self, args, state, control, **kwargs):
-        self._take_over(args)
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._take_over(args)  # added with trainer.add_callback() after __init__
-
-    def _before_save(self, args, state, control) -> None:
-        if control.should_save and args.should_save:
-            path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            if os.path.isdir(path):
-                _unseal(path)
+    def _before_save(self, args: Any, state: Any, control: Any) -> None:
+        self._close_window()  # a window that ended without a save
+        if not _may_save(args, control):
+            return
+        self._window = contextlib.ExitStack()
+        self._window.enter_context(_trainer_rotation_off(args))
+        if args.should_save:
+            remove_folder(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+        barrier()  # no process writes into the folder while it is being removed
 
     def on_step_end(self, args, state, control, **kwargs):
         self._before_save(args, state, control)
@@ -244,9 +230,15 @@ class SafeCheckpointCallback(TrainerCallback):
     def on_epoch_end(self, args, state, control, **kwargs):
         self._before_save(args, state, control)
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._close_window()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._close_window()
+
     def on_save(self, args, state, control, **kwargs):
-        self._take_over(args)
-        _barrier()
+        self._close_window()
+        barrier()  # every process has written its files
         if not args.should_save:
             return
         path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
@@ -254,11 +246,9 @@ class SafeCheckpointCallback(TrainerCallback):
             warn(f"SafeCheckpointCallback: the Trainer saved, but {path} does not exist "
                  "(hyperparameter search runs are not supported); nothing sealed", SafeckptWarning)
             return
-        info = seal(path, step=state.global_step,
-                    metadata={"sealed_by": "safeckpt.integrations.transformers.SafeCheckpointCallback",
-                              "transformers_version": transformers.__version__})
-        log.info("sealed %s (%d files, %d bytes, %.3fs)", path, len(info.files), info.bytes, info.seconds)
-        rotate(args.output_dir, self.save_total_limit, best=state.best_model_checkpoint, just_saved=path)
+        _seal(path, state.global_step, "SafeCheckpointCallback")
+        limit = args.save_total_limit if self.save_total_limit is _FROM_ARGS else self.save_total_limit
+        rotate(args.output_dir, limit, best=state.best_model_checkpoint, just_saved=path)
 
 
 # -- SafeTrainer -----------------------------------------------------------------------
@@ -307,32 +297,11 @@ def load_keys(state: dict, path: str, *, process_group: Any = None) -> None:
 
 
 def _safe_manifest(path: str | None) -> Manifest | None:
-    """The manifest of a SafeTrainer checkpoint; None for any other kind of checkpoint
-    (a plain or sealed Trainer checkpoint), which the Trainer's own code then loads."""
-    if path is None:
-        return None
-    try:
-        m = read_committed(open_storage(path))
-    except CheckpointNotFoundError:
-        return None
-    return m if m.metadata.get("integration") == _KIND else None
+    """The seal of a checkpoint written in the safeckpt layout; None for any other
+    (the Trainer's own files), which the Trainer's own code then loads."""
+    m = seal_of(path) if path is not None and os.path.isdir(path) else None
+    return m if m is not None and m.metadata.get("integration") == _KIND else None
 
-
-def _check_safe_checkpoint(path: str) -> None:
-    """Before resuming from a SafeTrainer checkpoint: it must be sealed, and the files
-    the Trainer reads itself (trainer_state.json) must match their checksums; its
-    tensors are checked as they are loaded."""
-    m = _safe_manifest(path)
-    if m is None:
-        return
-    found = _committed(path)
-    if isinstance(found, str):
-        raise CorruptCheckpointError(f"cannot resume from {path}: {found}; "
-                                     "use last_checkpoint(output_dir) to find the newest intact one")
-    reader = TensorReader(open_storage(path), found, verify=True)
-    problems = [p for f in found.files.values() if f.header_size is None for p in reader.verify_file(f.name)]
-    if problems:
-        raise CorruptCheckpointError(f"cannot resume from {path}: " + "; ".join(problems))
 
 if TYPE_CHECKING:  # what the mixin is mixed into: the Trainer's attributes and methods
     _TrainerBase = Trainer
@@ -344,32 +313,39 @@ class SafeTrainerMixin(_TrainerBase):
     """Put before ``Trainer`` (or your subclass of it) in the bases:
     ``class MyTrainer(SafeTrainerMixin, MyBaseTrainer)``.
 
-    Checkpoints keep the ``checkpoint-N`` layout but hold one safeckpt checkpoint
-    (model, optimizer, scheduler, scaler, per-rank RNG states and the trainer state,
-    no pickles) plus ``trainer_state.json``, sealed together. Resuming accepts these and
-    ordinary Trainer checkpoints; ``train(resume_from_checkpoint=True)`` resumes from
-    ``last_checkpoint(output_dir)``. With FSDP (FSDP2 or FSDP1) the model and optimizer
-    are saved as their sharded state dicts, each process writing its shards, and load on
-    another number of processes. With DeepSpeed, the engine writes its own files through
-    safeckpt's checkpoint engine (``safeckpt.integrations.deepspeed``) and the whole
-    ``checkpoint-N`` is sealed as one checkpoint. XLA and SageMaker MP are refused."""
+    ``checkpoint_layout="trainer"`` (the default): every ``checkpoint-N`` holds the
+    Trainer's own files, written by the Trainer where it writes them, sealed once every
+    process has finished (DeepSpeed and FSDP shards included); Hub pushes of
+    checkpoints start after the seal. ``checkpoint_layout="safeckpt"``: the model files
+    are the Trainer's (``model.safetensors`` and ``config.json``: ``from_pretrained``
+    loads the folder), everything else (optimizer, scheduler, scaler, per-process RNG
+    states, trainer state) is one safeckpt data file, no torch pickle; with FSDP the
+    model and optimizer are saved as their sharded state dicts and load on another
+    number of processes; with DeepSpeed the engine writes its own files through
+    safeckpt's checkpoint engine (``safeckpt.integrations.deepspeed``). Either way the
+    whole folder is one seal, and ``train(resume_from_checkpoint=True)`` resumes from
+    ``last_checkpoint(output_dir)``. XLA and SageMaker MP are refused."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, checkpoint_layout: str = "trainer", **kwargs: Any) -> None:
         check_transformers_version()
+        if checkpoint_layout not in LAYOUTS:
+            raise ValueError(f"checkpoint_layout must be one of {LAYOUTS}, not {checkpoint_layout!r}")
         super().__init__(*args, **kwargs)
+        self.checkpoint_layout = checkpoint_layout
+        self._safeckpt_pushes: list[str] | None = None  # Hub pushes held back until the seal
         unsupported = [name for name, on in (
             ("torch_xla", _xla()), ("SageMaker model parallel", _sagemaker_mp())) if on]
         if unsupported:
             raise NotImplementedError(
                 f"SafeTrainer does not support {', '.join(unsupported)} yet (their checkpoints are written "
                 "by the engine itself); use a plain Trainer with SafeCheckpointCallback to seal them")
-        if self.args.push_to_hub:
-            warn("SafeTrainer does not push intermediate checkpoints to the Hub; "
-                 "trainer.push_to_hub() / save_model() still do", SafeckptWarning)
-        self._safeckpt_limit = take_over_rotation(self.args)
-        if getattr(self, "is_deepspeed_enabled", False):
-            from .deepspeed import install_on_prepare
-            install_on_prepare(self.accelerator)
+        if checkpoint_layout == "safeckpt":
+            if self.args.push_to_hub:
+                warn("SafeTrainer(checkpoint_layout='safeckpt') does not push intermediate checkpoints to the "
+                     "Hub; trainer.push_to_hub() / save_model() still do", SafeckptWarning)
+            if getattr(self, "is_deepspeed_enabled", False):
+                from .deepspeed import install_on_prepare
+                install_on_prepare(self.accelerator)
 
     # -- saving --------------------------------------------------------------------------
     def _safeckpt_model(self, model: Any = None) -> Any:
@@ -381,7 +357,7 @@ class SafeTrainerMixin(_TrainerBase):
         return ShardedOptimizer(self.model, self.optimizer) if is_fsdp(self.model) else self.optimizer
 
     def _safeckpt_state(self) -> dict:
-        state: dict = {"model": self._safeckpt_model()}
+        state: dict = {"model": self._safeckpt_model()} if is_fsdp(self.model) else {}
         if not self.args.save_only_model:
             state["optimizer"] = self._safeckpt_optimizer()
             state["scheduler"] = self.lr_scheduler
@@ -398,15 +374,44 @@ class SafeTrainerMixin(_TrainerBase):
         return state
 
     def _save_checkpoint(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
-        if getattr(self, "is_deepspeed_enabled", False):
-            return self._safeckpt_save_deepspeed(model, trial, *args, **kwargs)
-        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        """Write ``checkpoint-N`` (a folder an older run left there is deleted first,
+        manifest first), seal it once every process has written its files, then rotate
+        and push."""
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            remove_folder(output_dir)
+        barrier()
+        self._safeckpt_pushes = []
+        try:
+            with _trainer_rotation_off(self.args):
+                if self.checkpoint_layout == "safeckpt" and not getattr(self, "is_deepspeed_enabled", False):
+                    self._safeckpt_write(trial, run_dir, output_dir)
+                else:
+                    super()._save_checkpoint(model, trial, *args, **kwargs)
+            barrier()  # every process has written its files
+            if self.args.should_save:
+                _seal(output_dir, self.state.global_step, f"SafeTrainer ({self.checkpoint_layout} layout)")
+                rotate(run_dir, self.args.save_total_limit, best=self.state.best_model_checkpoint,
+                       just_saved=output_dir)
+            pushes = self._safeckpt_pushes
+        finally:
+            self._safeckpt_pushes = None
+        for folder in pushes:
+            super()._push_from_checkpoint(folder)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if self._safeckpt_pushes is not None:  # inside a save: pushed once sealed
+            self._safeckpt_pushes.append(checkpoint_folder)
+            return
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def _safeckpt_write(self, trial: Any, run_dir: str, output_dir: str) -> None:
+        """The safeckpt layout: the Trainer's model files (``save_model``; an FSDP model
+        is saved as its shards instead), then one safeckpt checkpoint of the rest,
+        committed over every process."""
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
-        run_dir = self._get_output_dir(trial=trial)
-        output_dir = os.path.join(run_dir, folder)
-        if self.args.should_save and os.path.isdir(output_dir):
-            delete_checkpoint(output_dir)  # a stale or interrupted save of this step: unseal, then remove
         self._safeckpt_track_best(run_dir, output_dir)
         for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
             name = cb.__class__.__name__
@@ -415,32 +420,16 @@ class SafeTrainerMixin(_TrainerBase):
                 callbacks[name].append(cb.state())
             else:
                 callbacks[name] = cb.state()
+        if not is_fsdp(self.model):  # (an FSDP model goes into the data file as its shards)
+            self.save_model(output_dir, _internal_call=True)
         state = self._safeckpt_state()
         if self.args.should_save:
+            with contextlib.suppress(FileNotFoundError):  # a pickle of the arguments, which nothing reads back
+                os.remove(os.path.join(output_dir, TRAINING_ARGS_NAME))
             os.makedirs(output_dir, exist_ok=True)
             self.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
         save(state, output_dir, overwrite=True, step=self.state.global_step,
              metadata={"integration": _KIND, "transformers_version": transformers.__version__})
-        if self.args.should_save:
-            seal(output_dir)  # one checkpoint covering the tensors and trainer_state.json
-            rotate(run_dir, self._safeckpt_limit, best=self.state.best_model_checkpoint, just_saved=output_dir)
-
-    def _safeckpt_save_deepspeed(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
-        """The Trainer writes ``checkpoint-N`` as usual (DeepSpeed's ``global_stepN/`` goes
-        through safeckpt's engine: committed on its own, ``latest`` moved after it), then
-        the whole folder, RNG files and trainer state included, is sealed as one commit."""
-        run_dir = self._get_output_dir(trial=trial)
-        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if self.args.should_save and os.path.isdir(output_dir):
-            delete_checkpoint(output_dir)  # a stale or interrupted save of this step: unseal, then remove
-        _barrier()
-        super()._save_checkpoint(model, trial, *args, **kwargs)
-        _barrier()  # every rank's files are written
-        if self.args.should_save:
-            seal(output_dir, step=self.state.global_step,
-                 metadata={"sealed_by": "safeckpt.integrations.transformers.SafeTrainer (DeepSpeed)",
-                           "transformers_version": transformers.__version__})
-            rotate(run_dir, self._safeckpt_limit, best=self.state.best_model_checkpoint, just_saved=output_dir)
 
     def _safeckpt_track_best(self, run_dir: str, output_dir: str) -> None:
         """As ``Trainer._save_checkpoint``: point ``best_model_checkpoint`` at the best
@@ -453,17 +442,21 @@ class SafeTrainerMixin(_TrainerBase):
 
     # -- resuming ------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """``resume_from_checkpoint=True`` means ``last_checkpoint(output_dir)``; a named
+        folder must match its seal (``check_named``)."""
         if resume_from_checkpoint is True:
             assert self.args.output_dir is not None  # TrainingArguments fills in a default
             resume_from_checkpoint = last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
-                raise ValueError(f"no sealed, intact checkpoint in {self.args.output_dir} to resume from")
-        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            _check_safe_checkpoint(os.fspath(resume_from_checkpoint))
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir}): "
+                                 "no checkpoint-N there is sealed with every file matching its checksums")
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
+            check_named(os.fspath(resume_from_checkpoint), (TRAINER_STATE_NAME,))
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        if _safe_manifest(resume_from_checkpoint) is None:
+        m = _safe_manifest(resume_from_checkpoint)
+        if m is None or "model" not in m.tree:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_keys({"model": self._safeckpt_model(model)}, resume_from_checkpoint)
 
@@ -508,11 +501,20 @@ class SafeTrainerMixin(_TrainerBase):
         set_rng_states(holder["rng"])
 
     def _load_best_model(self) -> None:
-        if _safe_manifest(self.state.best_model_checkpoint) is None:
+        """Only a sealed, intact best checkpoint is loaded; otherwise the model stays as
+        trained, with a warning (as the Trainer does when the files are missing)."""
+        best = self.state.best_model_checkpoint
+        assert best is not None  # the Trainer calls this only when it is set
+        why = checkpoint_problem(best)
+        if why is not None:
+            warn(f"load_best_model_at_end: not loading {best}: {why}; the model stays as trained",
+                 SkippedCheckpointWarning)
+            return
+        m = _safe_manifest(best)
+        if m is None or "model" not in m.tree:
             return super()._load_best_model()
-        assert self.state.best_model_checkpoint is not None  # a manifest was found there
-        log.info("loading best model from %s (score: %s)", self.state.best_model_checkpoint, self.state.best_metric)
-        load_keys({"model": self._safeckpt_model()}, self.state.best_model_checkpoint)
+        log.info("loading best model from %s (score: %s)", best, self.state.best_metric)
+        load_keys({"model": self._safeckpt_model()}, best)
 
 
 def _xla() -> bool:
@@ -526,5 +528,5 @@ def _sagemaker_mp() -> bool:
 
 
 class SafeTrainer(SafeTrainerMixin, Trainer):
-    """A ``transformers.Trainer`` whose checkpoints are safeckpt checkpoints
-    (see ``SafeTrainerMixin``)."""
+    """A ``transformers.Trainer`` whose checkpoints are sealed and resumed safely
+    (see ``SafeTrainerMixin``; ``checkpoint_layout="safeckpt"`` for no pickles)."""

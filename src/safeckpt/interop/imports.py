@@ -108,10 +108,6 @@ def _weights_only_error(path: str, exc: BaseException) -> UnsafeObjectError:
         "and call safeckpt.save")
 
 
-# a legacy (pre-zip) torch.save file starts with a pickle of this number: LONG1 opcode, 10 bytes
-LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
-
-
 def read_torch(path: str) -> Any:
     """A ``torch.save`` file, read with ``weights_only=True``: a zip archive (every
     ``torch.save`` since torch 1.6) by ``torchzip``, its CRC-32s checked and tensors
@@ -121,7 +117,7 @@ def read_torch(path: str) -> Any:
     try:
         if not zipfile.is_zipfile(path):
             with open(path, "rb") as f:
-                if LEGACY_MAGIC not in f.read(32):
+                if torchzip.LEGACY_MAGIC not in f.read(32):
                     raise CorruptCheckpointError(
                         f"{path}: not a checkpoint (neither a torch.save file, which is a zip archive or a "
                         "pickle that starts with torch's magic number, nor a safetensors file); give the path of the "

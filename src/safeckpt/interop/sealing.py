@@ -64,7 +64,8 @@ def _foreign(name: str) -> bool:
 
 def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None = None,
          metadata: dict | None = None, step: int | None = None,
-         written: dict[str, tuple[int, str]] | None = None, world_size: int = 1) -> CheckpointInfo:
+         written: dict[str, tuple[int, str]] | None = None, world_size: int = 1,
+         metrics: dict | None = None, run_id: str | None = None) -> CheckpointInfo:
     """Commit every file under ``path`` as one checkpoint: checksum each whole file and
     write a manifest naming them, last, with an exclusive create.
 
@@ -77,10 +78,13 @@ def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None
 
     ``written`` maps names to the ``(size, checksum)`` their writers computed while
     writing them (safeckpt's DeepSpeed engine): a file still of that size is not read
-    again; ``world_size`` is how many processes wrote the files (recorded only)."""
+    again; ``world_size`` is how many processes wrote the files (recorded only).
+    ``metrics`` are merged into the checkpoint's, and ``run_id`` names the run the
+    checkpoint belongs to (a ``CheckpointManager``'s, whose retention then counts it)."""
     started = time.perf_counter()
-    meta = plain_values(metadata, "metadata")
+    meta, scores = plain_values(metadata, "metadata"), plain_values(metrics, "metrics")
     encode_values(meta, "metadata")
+    encode_values(scores, "metrics")
     if step is not None and type(step) is not int:
         raise TypeError(f"step must be an int or None, not {type(step).__name__}")
     storage = open_storage(path, **(storage_options or {}))
@@ -131,9 +135,9 @@ def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None
         tree=existing.tree if existing is not None else None,
         step=step if step is not None else (existing.step if existing is not None else None),
         metadata={**(existing.metadata if existing is not None else {}), **meta},
-        metrics=existing.metrics if existing is not None else {},
+        metrics={**(existing.metrics if existing is not None else {}), **scores},
         block_size=existing.block_size if existing is not None else BLOCK_SIZE,
-        run_id=existing.run_id if existing is not None else None,
+        run_id=run_id if run_id is not None else (existing.run_id if existing is not None else None),
         version=existing.version if existing is not None else 1)
     write_manifest(storage, manifest, "seal")
     try:

@@ -2,7 +2,8 @@
 file is one), read without trusting them.
 
 Every member's CRC-32 is checked before anything is used (torch's own reader never
-checks them, so a flipped byte would import silently). Tensor data is not copied: the
+checks them, so a flipped byte would import silently): ``check_archive`` does it for
+any seekable file, and is how a Lightning ``.ckpt`` file is checked before it loads. Tensor data is not copied: the
 archive's storages are stored uncompressed, so each tensor is a view of the
 memory-mapped file, and an import streams from the page cache tensor by tensor. The
 pickle is read with torch's weights-only unpickler, which also admits NumPy arrays and
@@ -17,13 +18,16 @@ import mmap
 import pickle
 import struct
 import zipfile
-from typing import Any, Iterator
+from typing import IO, Any, Iterator
 
 import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
 
+# a legacy (pre-zip) torch.save file starts with a pickle of this number: LONG1 opcode, 10 bytes
+LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+ZIP_MAGIC = b"PK\x03\x04"  # every torch.save file since torch 1.6 is a zip archive
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
 _CHECK_BLOCK = 1 << 20
 
@@ -76,6 +80,36 @@ class _Window(io.RawIOBase):
         super().close()
 
 
+def check_archive(f: "IO[bytes] | io.RawIOBase", where: str) -> bool:
+    """Check the ``torch.save`` archive in the seekable binary file ``f``: its zip
+    structure (central directory, local headers), a ``data.pkl`` record, and the CRC-32
+    of every record, which covers every byte of the pickle and of every tensor. Raises
+    ``CorruptCheckpointError`` naming ``where``; returns False, having checked only the
+    structure, for an archive that records no CRC-32 at all (written after
+    ``torch.serialization.set_crc32_options(False)``)."""
+    try:
+        with zipfile.ZipFile(f) as archive:  # type: ignore[arg-type]  # any seekable binary file
+            members = archive.infolist()
+            if not any(n.filename.endswith("/data.pkl") and n.filename.count("/") == 1 for n in members):
+                raise CorruptCheckpointError(f"{where}: not a sound torch.save archive (a zip file without "
+                                             "its data.pkl record)")
+            recorded = any(info.CRC for info in members if info.file_size)
+            for info in members:
+                if not recorded:
+                    info.CRC = 0  # nothing to compare: read the record only for its header
+                with archive.open(info) as member:  # zipfile checks the CRC-32 at the end of each
+                    while member.read(_CHECK_BLOCK):
+                        pass
+        return recorded
+    except CorruptCheckpointError:
+        raise
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError, struct.error, NotImplementedError,
+            RuntimeError) as exc:
+        raise CorruptCheckpointError(f"{where}: not a sound torch.save archive "
+                                     f"({type(exc).__name__}: {exc}); it was torn or changed after it "
+                                     "was written") from exc
+
+
 def load_archive(buffer: mmap.mmap, start: int, length: int, where: str) -> Any:
     """The object ``torch.save`` wrote at ``buffer[start:start + length]``, its tensors
     views of ``buffer``. Raises ``CorruptCheckpointError`` naming ``where`` for a bad
@@ -85,12 +119,10 @@ def load_archive(buffer: mmap.mmap, start: int, length: int, where: str) -> Any:
         raise CorruptCheckpointError(f"{where}: byte range [{start}, {start + length}) is outside the file")
     window = _Window(buffer, start, length)
     try:
+        if not check_archive(window, where):
+            raise CorruptCheckpointError(f"{where}: the archive records no CRC-32 to check it by")
         with zipfile.ZipFile(window) as archive:
             members = {info.filename: info for info in archive.infolist()}
-            for info in members.values():
-                with archive.open(info) as f:  # zipfile checks the CRC-32 at the end of each
-                    while f.read(_CHECK_BLOCK):
-                        pass
             pkl = next(n for n in members if n.endswith("/data.pkl") and n.count("/") == 1)
             prefix = pkl[:-len("data.pkl")]
             if f"{prefix}byteorder" in members and archive.read(f"{prefix}byteorder") != b"little":

@@ -123,7 +123,7 @@ class SaveRun:
                  overwrite: "bool | Callable[[Manifest | None], bool]",
                  step: int | None, metadata: dict, metrics: dict, new_save_id: Any,
                  existing: Any, before_commit: Any = None, run_id: str | None = None,
-                 chunk_size: int | None = None, base: Any = None) -> None:
+                 durable_root: str | None = None, chunk_size: int | None = None, base: Any = None) -> None:
         self.group = group
         self.storage = storage
         self.overwrite = overwrite  # or, given the committed manifest (None: only torn ones), whether to replace
@@ -134,6 +134,7 @@ class SaveRun:
         self.existing = existing  # (storage) -> (committed Manifest | None, max seq seen)
         self.before_commit = before_commit  # rank 0, e.g. a writer lease check
         self.run_id = run_id
+        self.durable_root = durable_root  # recorded in the manifest (a local tier's save)
         self.chunk_size = chunk_size  # set: an incremental save with chunks of this size
         self.base = base  # rank 0: () -> (sibling folder, Manifest) to share chunks with, or None
         self.index: dict[tuple[str, int], Stored] = {}
@@ -332,7 +333,8 @@ class SaveRun:
         return Manifest(save_id=mine.save_id, seq=mine.seq, created=time.time(),
                         world_size=len(intents), files=files, tensors=table.build(list(files), block),
                         tree=self.tree, step=self.step, metadata=self.metadata, metrics=self.metrics,
-                        run_id=self.run_id, block_size=block, version=WRITE_VERSION)
+                        run_id=self.run_id, durable_root=self.durable_root, block_size=block,
+                        version=WRITE_VERSION)
 
     @staticmethod
     def _add_pieces(plan: WritePlan, reports: list[Report], table: TableBuilder) -> None:
@@ -428,6 +430,9 @@ class SaveRun:
         raise SaveAbortedError(message, errors) from cause
 
 
+EXISTS = "Checkpoint already exists"  # DCP's words for this refusal: code that matches them keeps working
+
+
 def refuse_existing(storage: Storage, old: Manifest | None, max_seq: int,
                     overwrite: "bool | Callable[[Manifest | None], bool]") -> None:
     """Raise ``CheckpointExistsError`` unless a save may go ahead in a folder whose
@@ -439,10 +444,10 @@ def refuse_existing(storage: Storage, old: Manifest | None, max_seq: int,
     if old is not None:
         step = "" if old.step is None else f" (step {old.step})"
         raise CheckpointExistsError(
-            f"a committed checkpoint exists at {storage.url}{step}; pass overwrite=True to replace it "
+            f"{EXISTS}: a committed checkpoint exists at {storage.url}{step}; pass overwrite=True to replace it "
             "atomically, or save to another path")
     raise CheckpointExistsError(
-        f"{storage.url} holds a manifest that is not valid: left by a save that crashed while writing "
+        f"{EXISTS}: {storage.url} holds a manifest that is not valid: left by a save that crashed while writing "
         "it, or being written right now by another save; pass overwrite=True to replace it")
 
 

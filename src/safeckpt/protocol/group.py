@@ -3,11 +3,14 @@
 ``SingleGroup`` stands in when torch.distributed is not initialized. ``TorchGroup``
 runs object collectives on a dedicated gloo group created with a timeout, so a rank
 that dies or hangs turns into a clear error instead of a hang, and checkpoint traffic
-never interleaves with the training's own collectives.
+never interleaves with the training's own collectives. Its ``send_bytes`` and
+``recv_bytes`` move files between two ranks (the node tier's peer copies) under the
+same timeout.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import threading
@@ -16,6 +19,7 @@ from typing import Any
 from ..errors import SaveAbortedError
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("SAFECKPT_TIMEOUT", "300"))
+SEND_BLOCK = 64 << 20  # bytes per point-to-point message
 
 
 class CollectiveError(SaveAbortedError):
@@ -84,8 +88,32 @@ class TorchGroup:
         self._run("all_gather", lambda: self.dist.all_gather_object(out, obj, group=self.pg))
         return out
 
+    def send_bytes(self, data: "bytes | bytearray", dst: int) -> None:
+        """Send ``data`` to rank ``dst`` of this group (which calls ``recv_bytes``): its
+        length, then the bytes in blocks, viewed in place (torch only reads a buffer it
+        sends)."""
+        import torch
+        peer = self.dist.get_global_rank(self.pg, dst)
+        self._run("send", lambda: self.dist.send(torch.tensor([len(data)], dtype=torch.int64), peer, group=self.pg))
+        if not data:
+            return
+        whole = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
+        for lo in range(0, len(data), SEND_BLOCK):
+            self._run("send", lambda b=whole[lo:lo + SEND_BLOCK]: self.dist.send(b, peer, group=self.pg))
 
-_dedicated: dict[Any, TorchGroup] = {}
+    def recv_bytes(self, src: int) -> memoryview:
+        """The bytes rank ``src`` sent with ``send_bytes``, received in place into one buffer."""
+        import torch
+        peer = self.dist.get_global_rank(self.pg, src)
+        size = torch.zeros(1, dtype=torch.int64)
+        self._run("recv", lambda: self.dist.recv(size, peer, group=self.pg))
+        out = torch.empty(int(size), dtype=torch.uint8)
+        for lo in range(0, int(size), SEND_BLOCK):
+            self._run("recv", lambda b=out[lo:lo + SEND_BLOCK]: self.dist.recv(b, peer, group=self.pg))
+        return out.numpy().data
+
+
+_dedicated: dict[Any, tuple[Any, TorchGroup]] = {}  # key -> (the world it spans, the group)
 _lock = threading.Lock()
 
 
@@ -108,8 +136,26 @@ def resolve(process_group: Any = None, timeout_s: float | None = None,
     if not initialized or dist.get_world_size() == 1:
         return SingleGroup()
     with _lock:
-        key = (id(dist.group.WORLD), timeout_s, purpose)
+        world = dist.group.WORLD
+        for key in [k for k, (w, _) in _dedicated.items() if w is not world]:
+            del _dedicated[key]  # made for a world destroyed since (a job that re-initialized)
+        key = (timeout_s, purpose)
         if key not in _dedicated:
             pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-            _dedicated[key] = TorchGroup(pg, timeout_s)
-        return _dedicated[key]
+            _dedicated[key] = (world, TorchGroup(pg, timeout_s))
+        return _dedicated[key][1]
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Let go of the dedicated groups while the interpreter is still whole, also where a
+    manager kept in a global still holds one. A gloo group still referenced when the
+    interpreter tears down is destroyed in the middle of it, and its worker threads can
+    abort the process ("terminate called without an active exception") after a script
+    that did everything right, destroy_process_group included. Async saves are finished
+    before this runs (their exit handler was registered later, so it runs first)."""
+    with _lock:
+        groups = [g for _, g in _dedicated.values()]
+        _dedicated.clear()
+    for group in groups:
+        group.pg = None

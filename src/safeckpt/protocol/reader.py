@@ -22,6 +22,8 @@ from ..errors import CorruptCheckpointError
 from ..format.compact import TableEntry, TensorTable
 from ..format.manifest import Chunk, Manifest
 from ..format.plan import Box, byte_runs, overlap, volume
+from ..format.transformed import StoredChunk, is_transformed
+from . import transforms
 from .batchread import BatchedReads
 from .state import Read
 from ..storage import Storage
@@ -123,10 +125,11 @@ def _slices(box: Box) -> tuple[slice, ...]:
 class TensorReader:
     """Reads the tensors of one committed checkpoint."""
 
-    def __init__(self, storage: Storage, manifest: Manifest, verify: bool) -> None:
+    def __init__(self, storage: Storage, manifest: Manifest, verify: bool, transforms: Any = None) -> None:
         self.storage = storage
         self.manifest = manifest
         self.verify = verify
+        self.transforms = transforms  # a DCP ExtensionRegistry for transformed chunks (DCP's default when None)
         self._located: dict[str, tuple[Storage, str]] = {}  # shared files live in sibling folders
 
     # -- planning --------------------------------------------------------------------
@@ -164,9 +167,10 @@ class TensorReader:
         batched = [b for b in batches.values() if b.rows]
         jobs: list[_Job] = []
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        decodes: list[tuple[_Job, torch.Tensor]] = []
         for (read, dest), chunks in zip(general, chunks_needed([r for r, _ in general])):
             self._plan_read(read.name, chunks, dest, read_box(read), dtype_from_name(read.entry.dtype, read.name),
-                            jobs, copies)
+                            jobs, copies, decodes)
         if self.verify:
             self.check_headers({j.chunk.file for j in jobs}.union(*(b.files() for b in batched)))
         tasks: list[Callable[[], None]] = [functools.partial(self._read_run, run)
@@ -174,6 +178,7 @@ class TensorReader:
         for batch in batched:
             tasks += batch.tasks(self._read_into, self.verify, most, self._batch_failed(batch))
         _in_threads(tasks)
+        self._decode(decodes)
         with torch.no_grad():
             for target, tmp in copies:
                 target.copy_(tmp)
@@ -190,10 +195,11 @@ class TensorReader:
         return below, max(COALESCE_MAX, 2 * below)
 
     def _plan_read(self, name: str, chunks: list[Chunk], dest: torch.Tensor, box: Box,
-                   dtype: torch.dtype, jobs: list[_Job], copies: list) -> None:
+                   dtype: torch.dtype, jobs: list[_Job], copies: list, decodes: list) -> None:
         """Jobs (and copies) that fill ``box`` of the tensor from ``chunks``: those that
-        meet the box (``meeting``), or all of them."""
-        if len(chunks) == 1 and _whole(dest, dtype, box, list(chunks[0].shape)):
+        meet the box (``meeting``), or all of them. A transformed chunk is read whole and
+        decoded (``decodes``) into a tensor of its box, copied from there."""
+        if len(chunks) == 1 and not is_transformed(chunks[0]) and _whole(dest, dtype, box, list(chunks[0].shape)):
             chunk = chunks[0]  # the common case: one whole chunk straight into its tensor
             jobs.append(_Job(name, chunk, [(0, chunk.end - chunk.start)], byte_view(dest), True))
             return
@@ -204,6 +210,14 @@ class TensorReader:
             if ov is None:
                 continue
             covered += volume(ov[1])
+            if is_transformed(chunk):
+                stored = _Job(name, chunk, [(0, chunk.end - chunk.start)], memoryview(bytearray(chunk.end - chunk.start)),
+                              True)
+                jobs.append(stored)
+                decoded = torch.empty(cbox[1], dtype=dtype)
+                decodes.append((stored, decoded))
+                copies.append((dest[_slices(_relative(ov, box[0]))], decoded[_slices(_relative(ov, cbox[0]))]))
+                continue
             direct = ov == cbox == box and _takes_bytes(dest, dtype)
             tmp = dest if direct else torch.empty(ov[1], dtype=dtype)
             runs = byte_runs(cbox[1], _relative(ov, cbox[0]), dtype.itemsize)
@@ -216,6 +230,15 @@ class TensorReader:
                 f"{list(box[0])}+{list(box[1])}")
 
     # -- execution -------------------------------------------------------------------
+    def _decode(self, decodes: list[tuple[_Job, torch.Tensor]]) -> None:
+        """Undo the stream transforms of the transformed chunks read (and checked)."""
+        if decodes and self.transforms is None:
+            self.transforms = transforms.default_registry()
+        for job, decoded in decodes:
+            chunk = cast(StoredChunk, job.chunk)
+            transforms.decode(chunk.transforms, job.out, byte_view(decoded), self.transforms,
+                              f"{self.storage.url}/{chunk.file}: tensor {job.name!r}")
+
     def _read_run(self, run: list[_Job]) -> None:
         if len(run) > 1:
             self._read_coalesced(run, sum(len(j.out) for j in run))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
@@ -368,6 +369,15 @@ class LoadPlanner:
     def _plan_object(self, target: Any, node: Any, key: str) -> Thunk:
         is_module = isinstance(target, torch.nn.Module)
         current = target.state_dict()
+        if is_module and type(target).load_state_dict is not torch.nn.Module.load_state_dict:
+            # its own load_state_dict decides (a buffer it resizes, keys it renames): it gets
+            # the checkpoint's state as saved, tensors of the same shape and dtype read in place
+            inner = self.plan(current, node, key, "object")
+
+            def build_own() -> Any:
+                self._load_object(target, _with_metadata(inner(), current), key, is_module)
+                return target
+            return build_own
         if isinstance(target, torch.optim.Optimizer):
             problem = _param_groups_problem(current, node, key, self.allow_pickle)
             if problem:
@@ -438,6 +448,17 @@ class LoadPlanner:
                 if entry is not None and entry.shape == list(param.shape):
                     hints[name] = torch.zeros_like(param, dtype=dtype_from_name(entry.dtype, key))
             current["state"][index] = hints
+
+
+def _with_metadata(value: Any, current: Any) -> Any:
+    """``value`` as an ordered dict carrying the module's ``_metadata`` (the per-module
+    versions ``Module.load_state_dict`` reads), as ``state_dict()`` gives it."""
+    metadata = getattr(current, "_metadata", None)
+    if metadata is None or not isinstance(value, dict):
+        return value
+    out = value if isinstance(value, OrderedDict) else OrderedDict(value)
+    out._metadata = metadata  # type: ignore[attr-defined]
+    return out
 
 
 def _group_sizes(groups: Any) -> list[int]:

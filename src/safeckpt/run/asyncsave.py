@@ -95,6 +95,24 @@ class AsyncSaver:
                     raise
                 snapshot = _raiser(exc)  # the other ranks must learn of it, or they would wait
             work = lambda: request.run(snapshot, started)  # noqa: E731
+        return self._start(work, started, on_done)
+
+    def submit_prepared(self, prepare: Callable[[StagingPool], Callable[[], Any]],
+                        on_done: Callable[[Any, float], None] | None = None) -> SaveFuture:
+        """Like ``submit`` for a save that snapshots its state itself: ``prepare(pool)``
+        copies what it needs into the saver's buffers and returns the work to run in the
+        background. It runs inside the same one-at-a-time section as ``submit`` (after the
+        previous save finished), so no two saves ever share the buffers; what it raises
+        reaches the caller and nothing starts."""
+        started = time.perf_counter()
+        with self._submitting:
+            self.wait()
+            return self._start(prepare(self.pool), started, on_done)
+
+    def _start(self, work: Callable[[], Any], started: float,
+               on_done: Callable[[Any, float], None] | None) -> SaveFuture:
+        """Run ``work`` (a save already snapshotted) on the background thread; its error
+        is delivered through the future."""
         future = SaveFuture(time.perf_counter() - started)
         thread = threading.Thread(target=self._run, args=(future, work, on_done),
                                   name="safeckpt-async-save")  # not a daemon: exit waits for it
@@ -103,8 +121,8 @@ class AsyncSaver:
         thread.start()
         return future
 
-    def _run(self, future: SaveFuture, work: Callable[[], CheckpointInfo],
-             on_done: Callable[[CheckpointInfo, float], None] | None) -> None:
+    def _run(self, future: SaveFuture, work: Callable[[], Any],
+             on_done: Callable[[Any, float], None] | None) -> None:
         try:
             info = work()
             if on_done is not None:

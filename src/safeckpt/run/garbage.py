@@ -24,7 +24,7 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, SkippedChe
 from ..format import manifestcache
 from ..format.folder import read_committed, shared_by_siblings, shared_files
 from ..format.manifest import Manifest
-from ..format.names import DATA_RE, RETIRED, STEP_RE, manifest_seq
+from ..format.names import DATA_RE, RETIRED, manifest_seq, step_of
 from ..protocol.leftovers import save_may_run
 from ..storage import Storage
 
@@ -87,7 +87,7 @@ def collect(root: Storage, *, min_age_s: float | None = None, dry_run: bool = Fa
     (default an hour) are aborted on object stores."""
     removed: list[str] = []
     now = time.time()
-    folders = sorted(name for name, size in root.listdir().items() if size is None and STEP_RE.fullmatch(name))
+    folders = sorted(name for name, size in root.listdir().items() if size is None and step_of(name) is not None)
     committed: list[Manifest] = []
     for name in folders:
         try:

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..format.folder import CheckpointState, folder_state, step_folders
 from ..format.names import step_folder
+from ..errors import StorageError
 from ..storage import Storage
 from ..storage import open as open_storage
 
@@ -41,10 +42,14 @@ class CheckpointStatus:
 
 def checkpoint_status(folder: Storage, step: int | None = None) -> CheckpointStatus:
     """The status of one checkpoint folder (``step`` as its folder name says, if known)."""
-    listing = folder.listdir()
+    try:
+        listing: dict[str, int | None] | None = folder.listdir()
+    except StorageError:
+        listing = None  # folder_state tries once more and reports the folder unreadable
     found = folder_state(folder, listing)
     m = found.manifest
     if m is None:
+        listing = listing or {}
         return CheckpointStatus(folder.url, step, found.state, found.problem,
                                 bytes=sum(s for s in listing.values() if s is not None),
                                 file_count=sum(1 for s in listing.values() if s is not None))
@@ -56,7 +61,9 @@ def checkpoint_status(folder: Storage, step: int | None = None) -> CheckpointSta
 
 def list_checkpoints(root: "str | os.PathLike[str] | Storage", *,
                      storage_options: dict[str, Any] | None = None) -> list[CheckpointStatus]:
-    """Every ``step-NNNNNNNNN`` folder of a run root, oldest first, with its status.
-    Reads only (manifests and listings); nothing is written or repaired."""
+    """Every step folder of a run root (``step-NNNNNNNNN``, docs/format.md §2.4), oldest
+    first, with its status; a folder that cannot be read is a row in state
+    ``UNREADABLE`` (a root that cannot be listed raises ``StorageError``). Reads only
+    (manifests and listings); nothing is written or repaired."""
     storage = open_storage(root, **(storage_options or {}))
     return [checkpoint_status(storage.child(step_folder(step)), step) for step in step_folders(storage)]

@@ -3,13 +3,25 @@
 A ``Storage`` is a folder on some backend; names are ``/``-separated paths relative
 to it. Files are written once under their final name and never modified; nothing
 here needs rename. Capability flags tell the protocol what the backend can do.
+
+One operation is the exception, for the files other tools insist on writing under a
+fixed name (Lightning's ``last.ckpt``, DeepSpeed's ``latest``): ``open_replace``
+streams a file that replaces ``name`` atomically. Each backend does it the way its
+storage allows (a temporary name in the same folder, fsync, rename, folder fsync on
+POSIX and NFS; one PUT of the final object on an object store; the final name,
+visible only when it is closed, on object-store FUSE mounts that refuse rename), and
+the conformance suite checks the rule: whatever the moment of a crash, ``name`` holds
+the old complete file or the new complete one.
 """
 
 from __future__ import annotations
 
 import copy
 import errno
+import re
+import secrets
 from abc import ABC, abstractmethod
+from types import TracebackType
 from typing import Iterable
 
 from ..errors import StorageError
@@ -31,6 +43,8 @@ class Storage(ABC):
     #: ``rename`` replaces a file atomically (never needed by the commit protocol; exports
     #: use it to put finished files in place)
     can_rename: bool = False
+    #: ``open_replace`` replaces a file atomically (see the module docstring)
+    can_replace: bool = False
 
     url: str
 
@@ -72,6 +86,22 @@ class Storage(ABC):
         """Atomically replace ``dst`` by ``src`` (durable on return), where ``can_rename``."""
         raise StorageError(f"{self.url}: this storage cannot rename files")
 
+    def open_replace(self, name: str) -> "Replacement":
+        """Start writing a file that will replace ``name`` (or create it) atomically,
+        where ``can_replace``: until ``commit()`` returns, readers see the old file (or
+        none), and a crash at any moment leaves the old complete file or the new complete
+        one, never a mix, a prefix or an empty file. Nothing is buffered beyond what the
+        backend needs (object stores: one upload part), so a large file streams."""
+        raise StorageError(f"{self.url}: this storage cannot replace a file atomically")
+
+    def replace_file(self, name: str, parts: Iterable[Buffer]) -> int:
+        """Atomically replace ``name`` with ``parts`` (see ``open_replace``); durable
+        on return. Returns the number of bytes written."""
+        with self.open_replace(name) as out:
+            for part in parts:
+                out.write(part)
+        return out.written
+
     def parent(self) -> "Storage":
         """The folder holding this one (incremental checkpoints read their siblings' data)."""
         raise StorageError(f"{self.url}: this storage cannot reach its parent folder, which an "
@@ -104,6 +134,55 @@ class Storage(ABC):
         return size
 
 
+def replace_temp_name(name: str) -> str:
+    """A fresh temporary name for a replacement of ``name`` in the same folder: hidden,
+    and with a suffix no trainer looks for (Lightning lists ``*.ckpt``)."""
+    head, _, tail = name.rpartition("/")
+    return f"{head}/" * bool(head) + f".{tail}.safeckpt-{secrets.token_hex(6)}.tmp"
+
+
+def is_replace_temp(name: str, of: str | None = None) -> bool:
+    """Whether ``name`` is a temporary file of a replacement of ``of`` (of any file if
+    None) in the same folder."""
+    target = re.escape(of) if of is not None else ".+"
+    return re.fullmatch(rf"\.{target}\.safeckpt-[0-9a-f]{{12}}\.tmp", name) is not None
+
+
+class Replacement(ABC):
+    """A file being written to replace another (``Storage.open_replace``): a writable
+    binary stream (``write``, ``flush``), then ``commit`` or ``abort``. As a context
+    manager it commits on a normal exit and aborts on an exception."""
+
+    written: int = 0
+
+    @abstractmethod
+    def write(self, data: Buffer) -> int:
+        """Append ``data`` (copied or written before returning: the caller may reuse
+        its buffer) and return its length."""
+
+    def flush(self) -> None:
+        """Nothing to do: ``commit`` makes the file durable (``torch.save`` calls it)."""
+
+    @abstractmethod
+    def commit(self) -> int:
+        """Make the new file durable, then visible under its name; returns its size."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Give up: the old file (or none) stays, nothing of the new one is left
+        behind where the backend allows. Never raises for a cleanup failure."""
+
+    def __enter__(self) -> "Replacement":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.abort()
+
+
 class StorageWrapper(Storage):
     """A storage that forwards everything to ``inner``: a base for wrappers that change
     one thing (count the bytes read, hook writes). ``wrap(inner)`` makes the wrapper of
@@ -116,6 +195,7 @@ class StorageWrapper(Storage):
         self.exclusive_create = inner.exclusive_create
         self.merge_reads_below = inner.merge_reads_below
         self.can_rename = inner.can_rename
+        self.can_replace = inner.can_replace
 
     def wrap(self, inner: Storage) -> "StorageWrapper":
         clone = copy.copy(self)
@@ -145,6 +225,9 @@ class StorageWrapper(Storage):
 
     def rename(self, src: str, dst: str) -> None:
         self.inner.rename(src, dst)
+
+    def open_replace(self, name: str) -> Replacement:
+        return self.inner.open_replace(name)
 
     def __getattr__(self, attr: str):  # backend extras, such as abort_stale_uploads
         if attr == "inner":

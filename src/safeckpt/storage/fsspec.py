@@ -8,7 +8,10 @@ where the condition rides on the upload's completion (GCS's resumable uploads: e
 by GCS, not by every emulator; Azure's block list commit). Exclusive create is claimed
 for the filesystems that send such a condition (``CONDITIONAL_CREATE_PROTOCOLS``, each
 tested against an emulator that enforces it), not for the rest (``memory://`` checks,
-then creates). S3 has a class of its own
+then creates). ``open_replace`` streams the
+final object with ``"wb"`` on an object store (it appears whole when its upload
+completes), and on other fsspec filesystems (``memory://``, ...) writes a temporary
+name in the same folder and moves it over the name. S3 has a class of its own
 (``s3.S3Storage``) that calls the S3 API directly, so that each guarantee is explicit
 rather than left to s3fs's file layer:
 
@@ -36,7 +39,7 @@ import itertools
 from typing import Any, Iterable, Iterator
 
 from ..errors import StorageError
-from .base import Buffer, Storage
+from .base import Buffer, Replacement, Storage, is_replace_temp, replace_temp_name
 from .urls import url_scheme
 
 try:
@@ -65,7 +68,7 @@ def bytes_view(part: Buffer) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _client_error(exc: BaseException) -> tuple[str | None, int | None]:
+def client_error(exc: BaseException) -> tuple[str | None, int | None]:
     """(S3 error code, HTTP status) of a botocore error, possibly wrapped by s3fs."""
     for e in (exc, exc.__cause__, exc.__context__):
         response = getattr(e, "response", None)
@@ -84,13 +87,13 @@ def is_backend_error(exc: BaseException) -> bool:
 
 
 def is_precondition_failed(exc: BaseException) -> bool:
-    code, status = _client_error(exc)
+    code, status = client_error(exc)
     return status == 412 or code == "PreconditionFailed" or isinstance(exc, FileExistsError)
 
 
 def is_definite(exc: BaseException) -> bool:
     """True when the server certainly refused the request (a 4xx other than 408/409/412/429)."""
-    code, status = _client_error(exc)
+    code, status = client_error(exc)
     if status is None:
         return isinstance(exc, (PermissionError, FileNotFoundError))
     return 400 <= status < 500 and status not in (408, 409, 412, 429)
@@ -98,7 +101,7 @@ def is_definite(exc: BaseException) -> bool:
 
 def object_store_error(exc: BaseException, action: str, where: str, endpoint: str | None = None) -> StorageError:
     """Translate an s3fs/botocore/fsspec failure into a ``StorageError`` that says why."""
-    code, status = _client_error(exc)
+    code, status = client_error(exc)
     name = type(exc).__name__
     detail = str(exc)
     err_no = getattr(exc, "errno", None)
@@ -140,6 +143,7 @@ class FsspecStorage(Storage):
     # claimed per filesystem (``CONDITIONAL_CREATE_PROTOCOLS``): elsewhere a create is
     # refused when the name exists, but two racing writers are not kept apart
     exclusive_create = False
+    can_replace = True
 
     def __init__(self, url: str | None = None, *, fs: Any = None, path: str | None = None,
                  part_size: int = PART_SIZE, parallel_parts: int = PARALLEL_PARTS,
@@ -203,15 +207,21 @@ class FsspecStorage(Storage):
     # -- writing -------------------------------------------------------------------------
     def write_file(self, name: str, parts: Iterable[Buffer]) -> int:
         """One conditional request when the data fits in one part, else a stream."""
-        pieces = self._pieces(parts)
-        first = next(pieces, b"")
-        second = next(pieces, None)
         path = self._full(name)
+        parts = iter(parts)
+        head = bytearray()
+        rest: "Iterator[Buffer] | None" = None
+        for part in parts:  # the caller's errors come out unchanged
+            view = bytes_view(part)
+            if len(head) + len(view) > self.part_size:
+                rest = itertools.chain([view], parts)
+                break
+            head += view
         try:
-            if second is None:
-                self.fs.pipe_file(path, first, mode="create")
-                return len(first)
-            return self._stream(path, name, itertools.chain([first, second], pieces))
+            if rest is None:
+                self.fs.pipe_file(path, bytes(head), mode="create")
+                return len(head)
+            return self._stream(path, name, itertools.chain([head], rest))
         except FileExistsError:
             raise
         except OSError as exc:
@@ -221,8 +231,8 @@ class FsspecStorage(Storage):
         finally:
             self.fs.invalidate_cache(self.path)
 
-    def _stream(self, path: str, name: str, pieces: Iterator[bytes]) -> int:
-        """Write a file of several parts through fsspec's create-only mode."""
+    def _stream(self, path: str, name: str, parts: "Iterator[Buffer]") -> int:
+        """Write a file larger than one part through fsspec's create-only mode."""
         written = 0
         try:
             f = self.fs.open(path, "xb", block_size=self.part_size)
@@ -231,41 +241,18 @@ class FsspecStorage(Storage):
                 raise FileExistsError(errno.EEXIST, "file exists", self._where(name)) from None
             f = self.fs.open(path, "wb", block_size=self.part_size)
         try:
-            for piece in pieces:
-                f.write(piece)
-                written += len(piece)
+            for part in parts:
+                view = bytes_view(part)
+                f.write(view)
+                written += len(view)
         except BaseException:
             self._discard(f, path)
             raise
         f.close()  # the upload completes (the object appears) here
         return written
 
-    def _pieces(self, parts: Iterable[Buffer]) -> Iterator[bytes]:
-        """Cut the stream into parts of ``part_size`` as it comes (at most one part is
-        buffered; a large tensor is sliced, one copy). Parts grow past 2,000 so that a
-        file never needs more than ``MAX_PARTS``; the last one may be smaller."""
-        count = 0
-        buf = bytearray()
-
-        def size() -> int:
-            return self.part_size << min(count // 2000, 4)
-
-        for part in parts:
-            view = bytes_view(part)
-            while view:
-                if not buf and len(view) >= size():
-                    piece, view = bytes(view[:size()]), view[size():]
-                else:
-                    want = size() - len(buf)
-                    buf += view[:want]
-                    view = view[want:]
-                    if len(buf) < size():
-                        continue
-                    piece, buf = bytes(buf), bytearray()
-                count += 1
-                yield piece
-        if buf or count == 0:
-            yield bytes(buf)
+    def open_replace(self, name: str) -> Replacement:
+        return _FsspecReplacement(self, name)
 
     def _discard(self, f: Any, path: str) -> None:
         """Abandon a file being written: nothing may appear under its name. fsspec's
@@ -311,7 +298,7 @@ class FsspecStorage(Storage):
         except (FileNotFoundError, EOFError):
             raise
         except OSError as exc:
-            code, _ = _client_error(exc)
+            code, _ = client_error(exc)
             if code in ("NoSuchKey", "InvalidRange"):
                 if code == "NoSuchKey":
                     raise FileNotFoundError(errno.ENOENT, "no such object", self._where(name)) from exc
@@ -324,7 +311,7 @@ class FsspecStorage(Storage):
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "no such file", self._where(name)) from None
         except OSError as exc:
-            code, status = _client_error(exc)
+            code, status = client_error(exc)
             if status == 404 and code != "NoSuchBucket":
                 raise FileNotFoundError(errno.ENOENT, "no such file", self._where(name)) from exc
             raise self._err(exc, "stat", name) from exc
@@ -376,3 +363,56 @@ class FsspecStorage(Storage):
             self.fs.rmdir(self.path)
         except OSError:
             return  # missing or not empty: nothing to do
+
+
+class _FsspecReplacement(Replacement):
+    """A replacement through an fsspec file (see the module docstring)."""
+
+    def __init__(self, storage: FsspecStorage, name: str) -> None:
+        self.storage, self.name = storage, name
+        self.staged = not storage.object_store
+        self.target = replace_temp_name(name) if self.staged else name
+        try:
+            if self.staged:
+                self._remove_leftovers()
+            self.file: Any = storage.fs.open(storage._full(self.target), "wb", block_size=storage.part_size)
+        except OSError as exc:
+            raise storage._err(exc, "create", self.target) from exc
+
+    def _remove_leftovers(self) -> None:
+        head, _, base = self.name.rpartition("/")
+        folder = self.storage.child(head) if head else self.storage
+        folder.delete([n for n, size in folder.listdir().items() if size is not None and is_replace_temp(n, base)])
+
+    def write(self, data: Buffer) -> int:
+        view = bytes_view(data)
+        try:
+            self.file.write(view)
+        except OSError as exc:
+            self.abort()
+            raise self.storage._err(exc, "write", self.name) from exc
+        self.written += len(view)
+        return len(view)
+
+    def commit(self) -> int:
+        storage = self.storage
+        try:
+            self.file.close()  # an object store completes the upload here: the object appears
+            if self.staged:
+                storage.fs.mv(storage._full(self.target), storage._full(self.name))
+        except OSError as exc:
+            self.abort()
+            raise storage._err(exc, "replace", self.name) from exc
+        finally:
+            storage.fs.invalidate_cache(storage.path)
+        return self.written
+
+    def abort(self) -> None:
+        storage = self.storage
+        if not getattr(self.file, "closed", True):
+            storage._discard(self.file, storage._full(self.target))
+        if self.staged:
+            try:
+                storage.fs.rm_file(storage._full(self.target))
+            except Exception:  # noqa: BLE001 - cleanup; the next replacement removes leftovers
+                pass

@@ -6,6 +6,19 @@ skipped). Files are created with ``O_EXCL`` directly under their final name and 
 process umask applies; nothing is staged elsewhere and the commit protocol renames
 nothing (``rename`` is for exports, which put finished files in place).
 
+``open_replace`` (a file another tool reads under a fixed name) writes a temporary
+name in the same folder (never ``$TMPDIR``: a rename across filesystems is a copy),
+fsyncs it, renames it over the name and fsyncs the folder, so the new file is durable
+before it is visible. Where the folder cannot be fsynced (Windows), the new file is
+flushed once more after the rename, which commits the metadata journal. A rename
+refused with ``PermissionError`` (Windows, while another process holds the file open)
+is retried for a few seconds. A filesystem that refuses rename altogether (object-store
+FUSE mounts) gets the complete temporary file copied under the final name, opened with
+``O_TRUNC``: such a mount uploads the new object when the file is closed and shows the
+old one until then (a power cut keeps the old one; a process killed during the copy
+may leave the mount uploading the part it had, which is why a reader checks what it
+reads).
+
 What is read: only regular files, never through a symbolic link, below the folder that
 was opened (``anchor``): a listing shows regular files and folders and nothing else
 (FIFOs, sockets, devices and symlinks are left out), and a read refuses anything else
@@ -24,15 +37,23 @@ import errno
 import io
 import os
 import stat
+import time
 from types import TracebackType
 from typing import Any, Iterable, Protocol
 
 from ..errors import CorruptCheckpointError
-from .base import Buffer, Storage, storage_error
+from .base import Buffer, Replacement, Storage, is_replace_temp, replace_temp_name, storage_error
 from .mounts import warn_if_fsync_is_weak
 
 _NO_DIR_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES, errno.EPERM, errno.EISDIR}
+_NO_RENAME = {errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
 _MAX_WRITE = 1 << 30
+_GATHER = 1 << 20  # small writes (torch.save's record headers) are gathered into one system call
+#: seconds to wait before each retry of a rename refused with PermissionError (about 3 s
+#: in all): on Windows another process (a reader, an indexer, an antivirus) may hold the
+#: file open for a moment
+REPLACE_RETRY_DELAYS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6)
+_COPY_BLOCK = 8 << 20
 
 
 class _FileStat(Protocol):
@@ -152,24 +173,27 @@ class OSFileSystem:
 OS_FILESYSTEM = OSFileSystem()
 
 
-def fsync_folder(path: str, fs: FileSystem | None = None) -> None:
-    """Make a folder's entries durable; skipped where the platform cannot."""
+def fsync_folder(path: str, fs: FileSystem | None = None) -> bool:
+    """Make a folder's entries durable; skipped where the platform cannot (returns
+    whether the folder was synced)."""
     fs = fs or OS_FILESYSTEM
     if fs.name == "nt":
-        return
+        return False
     try:
         fd = fs.open(path, os.O_RDONLY)
     except OSError as exc:
         if exc.errno in _NO_DIR_FSYNC:
-            return
+            return False
         raise
     try:
         fs.fsync(fd)
     except OSError as exc:
         if exc.errno not in _NO_DIR_FSYNC:
             raise
+        return False
     finally:
         fs.close(fd)
+    return True
 
 
 def _write_all(fs: FileSystem, fd: int, data: Buffer) -> None:
@@ -188,6 +212,7 @@ class LocalStorage(Storage):
 
     atomic_write = False  # a reader may see a file before it is complete
     can_rename = True
+    can_replace = True
 
     def __init__(self, path: str | os.PathLike, fs: FileSystem | None = None, *,
                  follow_symlinks: bool = False, anchor: str | None = None) -> None:
@@ -358,6 +383,9 @@ class LocalStorage(Storage):
         except OSError as exc:
             raise storage_error(exc, "rename into", path) from exc
 
+    def open_replace(self, name: str) -> Replacement:
+        return _LocalReplacement(self, name)
+
     def remove_folder(self) -> None:
         try:
             self.fs.rmdir(self.path)
@@ -371,3 +399,134 @@ class LocalStorage(Storage):
             fsync_folder(os.path.dirname(self.path), self.fs)
         except OSError as exc:
             raise storage_error(exc, "sync the folder of", self.path) from exc
+
+
+class _LocalReplacement(Replacement):
+    """A replacement of one file on a local or network filesystem (module docstring)."""
+
+    def __init__(self, storage: LocalStorage, name: str) -> None:
+        self.fs = fs = storage.fs
+        self.path = path = storage._full(name)
+        self.folder = folder = os.path.dirname(path)
+        self.temp = os.path.join(folder, os.path.basename(replace_temp_name(name)))
+        self.written = 0
+        self._gathered = bytearray()
+        try:
+            storage._ensure_folder(folder)
+            self._remove_leftovers()
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+            self.fd: int | None = fs.open(self.temp, flags, 0o666)
+        except OSError as exc:
+            raise storage_error(exc, "create", self.temp) from exc
+
+    def _remove_leftovers(self) -> None:
+        """Temporary files of replacements of this name that a killed process left."""
+        base = os.path.basename(self.path)
+        try:
+            with self.fs.scandir(self.folder) as entries:
+                stale = [e.name for e in entries if is_replace_temp(e.name, base)]
+        except FileNotFoundError:
+            return
+        for name in stale:
+            try:
+                self.fs.unlink(os.path.join(self.folder, name))
+            except FileNotFoundError:
+                pass
+
+    def write(self, data: Buffer) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        if self.fd is None:
+            raise ValueError(f"write to a finished replacement of {self.path}")
+        try:
+            if len(self._gathered) + n > _GATHER:
+                self._drain()
+            if n >= _GATHER:
+                _write_all(self.fs, self.fd, view)
+            else:
+                self._gathered += view
+        except OSError as exc:
+            raise storage_error(exc, "write", self.temp) from exc
+        self.written += n
+        return n
+
+    def _drain(self) -> None:
+        if self._gathered and self.fd is not None:
+            gathered, self._gathered = self._gathered, bytearray()
+            _write_all(self.fs, self.fd, gathered)
+
+    def commit(self) -> int:
+        fs = self.fs
+        try:
+            try:
+                self._drain()
+                assert self.fd is not None
+                fs.fsync(self.fd)  # durable before it is visible
+            finally:
+                fd, self.fd = self.fd, None
+                if fd is not None:
+                    fs.close(fd)
+            self._put_in_place()
+            if not fsync_folder(self.folder, fs):
+                self._flush_again()
+        except OSError as exc:
+            self.abort()
+            raise storage_error(exc, "replace", self.path) from exc
+        return self.written
+
+    def _put_in_place(self) -> None:
+        for delay in (*REPLACE_RETRY_DELAYS, None):
+            try:
+                self.fs.replace(self.temp, self.path)
+                return
+            except PermissionError:
+                if delay is None:
+                    raise
+                time.sleep(delay)
+            except OSError as exc:
+                if exc.errno not in _NO_RENAME:
+                    raise
+                self._copy_into_place()
+                return
+
+    def _copy_into_place(self) -> None:
+        """The filesystem refuses rename: copy the complete temporary file under the
+        final name (a FUSE mount of an object store shows the new object once it is
+        closed), then remove the temporary one."""
+        fs = self.fs
+        block = bytearray(min(_COPY_BLOCK, max(self.written, 1)))
+        with fs.open_reader(self.temp) as src:
+            out = fs.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o666)
+            try:
+                while True:
+                    n = src.readinto(memoryview(block))
+                    if not n:
+                        break
+                    _write_all(fs, out, memoryview(block)[:n])
+                fs.fsync(out)
+            finally:
+                fs.close(out)
+        fs.unlink(self.temp)
+
+    def _flush_again(self) -> None:
+        """The folder could not be fsynced (Windows): flush the new file once more, which
+        commits the filesystem's metadata journal, the rename with it. Best effort."""
+        try:
+            fd = self.fs.open(self.path, os.O_WRONLY | getattr(os, "O_BINARY", 0))
+        except OSError:
+            return
+        try:
+            self.fs.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            self.fs.close(fd)
+
+    def abort(self) -> None:
+        fd, self.fd = self.fd, None
+        try:
+            if fd is not None:
+                self.fs.close(fd)
+            self.fs.unlink(self.temp)
+        except OSError:
+            pass

@@ -36,7 +36,9 @@ class DiskProfile:
     its whole content when it is closed (an object-store FUSE mount uploads then: rclone
     uploads nothing on fsync, s3fs does; deletes are immediate). A process killed while
     writing has its files closed by the kernel, so the mount uploads what it wrote: a
-    short file (``crash(mode="keep")``); a power cut loses a file not yet closed.
+    short file (``crash(mode="keep")``); a power cut loses a file not yet closed. On an
+    ``"object"`` disk, opening an existing file with ``O_TRUNC`` starts a new object that
+    replaces the old one when it is uploaded (readers see the old one until then).
     ``torn``: unsynced writes may be torn into garbage (else a file is all or nothing).
     ``dir_open_errno`` / ``dir_fsync_errno``: opening / fsyncing a folder fails so.
     ``rename``: ``"atomic"``, ``"nonatomic"`` (a crash in between leaves both names)
@@ -66,7 +68,7 @@ DISK_PROFILES: dict[str, DiskProfile] = {
 
 
 class _File:
-    __slots__ = ("data", "durable", "pending", "uploaded", "open_count")
+    __slots__ = ("data", "durable", "pending", "uploaded", "open_count", "replaces")
 
     def __init__(self) -> None:
         self.data = bytearray()        # what a reader sees now (the page cache)
@@ -74,6 +76,7 @@ class _File:
         self.pending: list[tuple[int, bytes]] = []  # writes since the last fsync
         self.uploaded = False          # fuse-object: the object was PUT (immutable now)
         self.open_count = 0
+        self.replaces: "tuple[_Dir, str] | None" = None  # fuse-object: the entry its upload replaces
 
 
 class _Dir:
@@ -189,6 +192,7 @@ class SimulatedDisk(CountedBackend):
         self._fds: dict[int, _Handle] = {}
         self._next_fd = 3
         self._journal: list[tuple[_Dir, str, "_File | _Dir | None"]] = []
+        self._replacing: list[_File] = []  # fuse-object: new objects not uploaded yet
 
     # -- bookkeeping ------------------------------------------------------------------
     @property
@@ -317,6 +321,12 @@ class SimulatedDisk(CountedBackend):
                 raise make_error(errno.EISDIR, path)
             if prof.dir_open_errno:
                 raise make_error(prof.dir_open_errno, path)
+        elif writing and flags & os.O_TRUNC and prof.entries == "object":
+            if self.read_only:
+                raise make_error(errno.EROFS, path)
+            node = _File()  # a new object; the old one stays visible until it is uploaded
+            node.replaces = (parent, name)
+            self._replacing.append(node)
         else:
             if writing and self.read_only:
                 raise make_error(errno.EROFS, path)
@@ -398,9 +408,21 @@ class SimulatedDisk(CountedBackend):
             self._commit_journal()
         elif mode == "object" and not node.uploaded:  # at close
             node.uploaded = True
+            if node.replaces is not None:
+                self._upload_replacement(node)
+                return
             parent, name = self._parent(path)
             if parent.entries.get(name) is node:
                 self._make_durable(parent, name)
+
+    def _upload_replacement(self, node: _File) -> None:
+        """fuse-object: a new object written over an existing name takes its place."""
+        assert node.replaces is not None
+        parent, name = node.replaces
+        node.replaces = None
+        self._replacing.remove(node)
+        parent.entries[name] = node
+        self._make_durable(parent, name)
 
     def close(self, fd: int) -> None:
         h = self._fds.get(fd)
@@ -524,6 +546,11 @@ class SimulatedDisk(CountedBackend):
         if not isinstance(rng, random.Random):
             rng = random.Random(rng)
         prof = self.profile
+        for node in list(self._replacing):  # fuse-object: the mount uploads them if it lives on
+            if mode == "keep":
+                node.durable, node.pending, node.uploaded = bytes(node.data), [], True
+                self._upload_replacement(node)
+        self._replacing.clear()
         # 1. folder entries: durable ones stay; pending changes are kept or undone
         if prof.entries == "journal":
             cut = {"keep": len(self._journal), "drop": 0}.get(mode)

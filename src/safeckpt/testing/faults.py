@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 from ..errors import StorageError
-from ..storage.base import Buffer, Storage, storage_error
+from ..storage.base import Buffer, Replacement, Storage, storage_error
 
 __all__ = ["SimulatedCrash", "Fault", "OpCounter", "FaultyStorage", "make_error"]
 
@@ -137,8 +137,9 @@ class FaultyStorage(Storage):
     """Wraps any ``Storage``: numbers its operations, crashes at one, injects errors.
 
     Operation kinds: ``write_file``, ``read``, ``listdir``, ``delete`` (one per name),
-    ``remove_folder``, and ``fsync`` (checked after ``write_file`` handed over all its
-    bytes: an EIO there means the data may not be durable; the save must fail).
+    ``remove_folder``, ``fsync`` (checked after ``write_file`` handed over all its
+    bytes: an EIO there means the data may not be durable; the save must fail) and
+    ``replace`` (the commit of an ``open_replace``; a crash there leaves the old file).
     Options:
 
     - ``crash_after=k``: the k-th operation and every later one raise ``SimulatedCrash``;
@@ -168,6 +169,7 @@ class FaultyStorage(Storage):
         self.url = inner.url
         self.atomic_write = inner.atomic_write
         self.exclusive_create = inner.exclusive_create
+        self.can_replace = inner.can_replace
         if _shared is None:
             _shared = _Shared(counter or OpCounter(crash_after, faults, latency, seed), enospc_after_bytes,
                               read_only, stale_listings, torn)
@@ -302,6 +304,12 @@ class FaultyStorage(Storage):
         self._fail("write_file", where, "write", effect="after")
         return n
 
+    def open_replace(self, name: str) -> Replacement:
+        where = f"{self.url}/{name}"
+        if self._s.read_only:
+            raise storage_error(OSError(_errno.EROFS, os.strerror(_errno.EROFS), where), "replace", where)
+        return _FaultyReplacement(self, self.inner.open_replace(name), where)
+
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         where = f"{self.url}/{name}"
         self._start("read", where)
@@ -334,7 +342,39 @@ class FaultyStorage(Storage):
         self.inner.remove_folder()
 
 
-_MUTATIONS = {"write_file", "delete", "remove_folder", "fsync"}
+_MUTATIONS = {"write_file", "delete", "remove_folder", "fsync", "replace"}
+
+
+class _FaultyReplacement(Replacement):
+    """A replacement through ``FaultyStorage``: its bytes count against the ENOSPC
+    budget, and its commit is one operation (``replace``) that can crash or fail."""
+
+    def __init__(self, owner: FaultyStorage, inner: Replacement, where: str) -> None:
+        self.owner, self.inner, self.where = owner, inner, where
+
+    def write(self, data: Buffer) -> int:
+        shared = self.owner._s
+        n = len(memoryview(data).cast("B"))
+        budget = shared.budget()
+        if budget is not None and shared.written + n > budget:
+            raise storage_error(OSError(_errno.ENOSPC, os.strerror(_errno.ENOSPC), self.where), "write", self.where)
+        shared.written += n
+        self.written += n
+        return self.inner.write(data)
+
+    def commit(self) -> int:
+        try:
+            self.owner._start("replace", self.where)
+            self.owner._fail("replace", self.where, "replace")
+        except Exception:
+            self.inner.abort()
+            raise
+        n = self.inner.commit()
+        self.owner._fail("replace", self.where, "replace", effect="after")
+        return n
+
+    def abort(self) -> None:
+        self.inner.abort()
 
 
 class _Shared:

@@ -2,8 +2,8 @@
 
 No folders (a "folder" is a key prefix), no rename, no append; a PUT is atomic and
 whole (a crash mid-upload leaves nothing), a conditional create (``If-None-Match``)
-makes ``write_file`` exclusive, and whatever a call acknowledged is durable, so a power
-cut loses nothing. Operations are numbered like ``SimulatedDisk``'s (kinds ``put``,
+makes ``write_file`` exclusive, ``open_replace`` is one unconditional PUT of the final
+key, and whatever a call acknowledged is durable, so a power cut loses nothing. Operations are numbered like ``SimulatedDisk``'s (kinds ``put``,
 ``get``, ``list``, ``delete``) for crash points and ``Fault`` rules -- e.g.
 ``Fault("put", errno.EIO, effect="after")`` is a 5xx whose PUT in fact happened.
 """
@@ -14,7 +14,7 @@ import errno
 import random
 from typing import Iterable
 
-from ..storage.base import Buffer, Storage, storage_error
+from ..storage.base import Buffer, Replacement, Storage, storage_error
 from .faults import CountedBackend, Fault, OpCounter
 
 __all__ = ["MemoryObjectStore", "ObjectBucket"]
@@ -55,6 +55,7 @@ class MemoryObjectStore(Storage):
 
     atomic_write = True
     exclusive_create = True
+    can_replace = True
 
     def __init__(self, bucket: ObjectBucket | None = None, prefix: str = "") -> None:
         self.bucket = bucket if bucket is not None else ObjectBucket()
@@ -90,15 +91,22 @@ class MemoryObjectStore(Storage):
             raise storage_error(exc, action, f"{self.url}/{key}") from exc
 
     def write_file(self, name: str, parts: Iterable[Buffer]) -> int:
-        key = self._key(name)
         body = b"".join(bytes(memoryview(p).cast("B")) for p in parts)  # upload buffer
+        self._store(name, body, exclusive=True)
+        return len(body)
+
+    def open_replace(self, name: str) -> Replacement:
+        return _Put(self, name)
+
+    def _store(self, name: str, body: bytes, exclusive: bool) -> None:
+        """One PUT of ``body`` under ``name`` (conditional on absence if ``exclusive``)."""
+        key = self._key(name)
         self._op("put", key, "upload")
-        if key in self.bucket.objects:  # If-None-Match: * -> 412 Precondition Failed
+        if exclusive and key in self.bucket.objects:  # If-None-Match: * -> 412 Precondition Failed
             raise FileExistsError(errno.EEXIST, "object exists (412 Precondition Failed)", key)
         self._snapshot(key)
         self.bucket.objects[key] = body
         self._after("put", key, "upload")
-        return len(body)
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         key = self._key(name)
@@ -149,3 +157,29 @@ class MemoryObjectStore(Storage):
 
     def remove_folder(self) -> None:
         """Folders are implicit: nothing to do, and no request is made."""
+
+
+class _Put(Replacement):
+    """A replacement on the simulated store: the body is buffered (as an upload
+    client's parts would be) and PUT whole under the final key at ``commit``."""
+
+    def __init__(self, store: MemoryObjectStore, name: str) -> None:
+        self.store, self.name = store, name
+        self.body: bytearray | None = bytearray()
+
+    def write(self, data: Buffer) -> int:
+        if self.body is None:
+            raise ValueError(f"write to a finished replacement of {self.name}")
+        view = memoryview(data).cast("B")
+        self.body += view
+        self.written += len(view)
+        return len(view)
+
+    def commit(self) -> int:
+        body, self.body = self.body, None
+        assert body is not None
+        self.store._store(self.name, bytes(body), exclusive=False)
+        return self.written
+
+    def abort(self) -> None:
+        self.body = None

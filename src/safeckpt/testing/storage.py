@@ -4,7 +4,10 @@ The commit protocol relies on exactly what these tests check: a create never rep
 an existing file (and, where ``exclusive_create`` is claimed, two racing creates never
 both succeed), a file is read back byte for byte in any range, listings show files with
 their sizes and sub-folders as ``None``, a failed write raises and never leaves a whole
-file behind, deletes of missing names are fine. A backend's own test module
+file behind, deletes of missing names are fine; and where ``can_replace`` is claimed,
+``open_replace`` creates or replaces a file from a stream, and a replacement that
+fails keeps the old file and leaves nothing else (crashes and power cuts at every step
+of a replacement are ``crash_points``' job: see tests/test_atomic_replace.py). A backend's own test module
 subclasses it (pytest collects ``Test*`` classes) and says how to make a fresh, empty
 storage::
 
@@ -128,6 +131,53 @@ class StorageTests:
         assert size is None or (not st.atomic_write and size < 1000 + 1), size
         if st.atomic_write:
             assert "torn" not in st.listdir(), "an atomic backend showed an aborted write"
+
+    # -- atomic replacement ---------------------------------------------------------------
+    def test_replace_creates_then_replaces(self) -> None:
+        st = self.make_storage()
+        if not st.can_replace:
+            return
+        assert st.replace_file("last.ckpt", [b"first"]) == 5
+        assert st.read("last.ckpt") == b"first"
+        assert st.replace_file("last.ckpt", [b"second", memoryview(b"!")]) == 7
+        assert st.read("last.ckpt") == b"second!"
+        assert st.replace_file("sub/x", []) == 0  # creates the folder; an empty file
+        assert st.read("sub/x") == b""
+        assert st.listdir() == {"last.ckpt": 7, "sub": None}, "a replacement left a file behind"
+
+    def test_replace_streams_a_large_file(self) -> None:
+        st = self.make_storage()
+        if not st.can_replace:
+            return
+        st.replace_file("big", [b"old"])
+        data = bytes(range(256)) * (LARGE // 256)
+        with st.open_replace("big") as out:
+            out.write(b"head")
+            view = memoryview(data)
+            for i in range(0, len(data), 3 << 20):
+                out.write(view[i:i + (3 << 20)])
+            out.flush()
+            assert st.read("big") == b"old", "the new file was visible before its commit"
+        assert out.written == len(data) + 4
+        assert st.size("big") == len(data) + 4
+        assert st.read("big", 0, 4) == b"head" and st.read("big", 4 + LARGE // 2, 100) == data[LARGE // 2:LARGE // 2 + 100]
+
+    def test_a_failed_replace_keeps_the_old_file(self) -> None:
+        st = self.make_storage()
+        if not st.can_replace:
+            return
+        st.replace_file("last.ckpt", [b"old"])
+
+        def parts() -> Iterator[bytes]:
+            yield b"x" * 1000
+            raise _Boom("the caller's stream failed")
+        _raises(_Boom, st.replace_file, "last.ckpt", parts())
+        assert st.read("last.ckpt") == b"old"
+        out = st.open_replace("last.ckpt")
+        out.write(b"y" * 5000)
+        out.abort()
+        assert st.read("last.ckpt") == b"old"
+        assert st.listdir() == {"last.ckpt": 3}, "a failed replacement left a file behind"
 
     # -- list, delete, folders -------------------------------------------------------------
     def test_listing_shows_files_and_folders(self) -> None:

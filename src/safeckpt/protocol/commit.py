@@ -28,6 +28,7 @@ from ..format.checksum import BLOCK_SIZE, checksum
 from ..format.folder import read_committed, retire, shared_by_siblings
 from .datafile import DataFileLayout, WrittenPiece, plan_layout, write_data_file
 from ..format.names import DATA_RE, data_file_name  # noqa: F401
+from .leftovers import WRITER_KEY, clear_aborted, writer_tag
 from .incremental import ChunkDigest, Source, Stored, chunk_key, digest_pieces, plan_reuse, reuse_index
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError,
                      UnsupportedFormatError)
@@ -107,8 +108,9 @@ def describe_error(exc: BaseException) -> str:
 
 
 def file_metadata(save_id: str) -> dict[str, str]:
-    """The safetensors ``__metadata__`` of a save's data files."""
-    return {"format": "pt", "safeckpt_save_id": save_id}
+    """The safetensors ``__metadata__`` of a save's data files: the save and the process
+    writing it (by which a later save tells a dead writer's leftovers, ``leftovers``)."""
+    return {"format": "pt", "safeckpt_save_id": save_id, WRITER_KEY: writer_tag()}
 
 
 
@@ -218,6 +220,10 @@ class SaveRun:
         check_shards(plan)
         self.old, max_seq = self.existing(self.storage)
         refuse_existing(self.storage, self.old, max_seq, self.overwrite)
+        try:  # killed saves' files: their space is this save's (a small disk fills otherwise)
+            clear_aborted(self.storage, self.old)
+        except OSError:
+            pass  # best effort: garbage collection removes them later
         if self.chunk_size is not None and self.base is not None:
             self.index = reuse_index(self.base(), self.chunk_size)
         save_id, seq = self.new_save_id(), max_seq + 1

@@ -28,7 +28,7 @@ from ..format.folder import manifest_seqs, shared_by_siblings
 from ..format.manifest import Manifest
 from ..format.names import DATA_RE
 from ..storage import Storage
-from .datafile import read_header_length
+from .filecheck import read_header_length
 
 
 def _host() -> str:

@@ -30,6 +30,8 @@ its AdamW state after one step). Sections (``--sections``, default all):
             storage and time, shared reads vs not vs dcp.load (``share_bench.py``)
   plans     rank 0's work for the first save of a layout of 1,024 ranks x 2,000 pieces and for
             the next save of the same layout, which reuses the plan (``planner.py --repeated``)
+  cli       the safeckpt command from a shell: ls, show and verify of a 10-checkpoint root, each
+            a fresh process, against --help (``cli_bench.py``)
 Writes benchmarks/results/run_all.json, run_all.md and chart.png (``--quick``: under
 results/quick/), and prints Markdown tables ready for the README, ending with the targets.
 """
@@ -57,7 +59,7 @@ from common import (HERE, MiB, cpu_snapshot, default_dir, filesystem_of, flatten
                     freeze_heap)
 
 SECTIONS = ["saveload", "async", "checksum", "rss", "dist", "dcp", "gpu", "s3", "incremental", "tiered", "nodes",
-            "share", "plans"]
+            "share", "plans", "cli"]
 SECONDARY_LOADERS = {"safeckpt.load_state", "torch.load(mmap=True)"}
 
 
@@ -201,6 +203,12 @@ def compute_targets(res: dict) -> list[dict]:
         direct, local = tier["straight to S3"], tier["local tier + S3"]
         rows.append(_t("local tier: training blocked ≤ 0.5× straight to S3", "large fp32", "≤ 0.50×",
                        local["blocked_s"] / direct["blocked_s"], "<=", 0.5, "×", "blocked s ÷ straight-to-S3 s"))
+    if res.get("cli"):
+        from cli_bench import LS_TARGET_S, N_CHECKPOINTS, ls_seconds
+
+        rows.append(_t(f"safeckpt ls of a {N_CHECKPOINTS}-checkpoint root < {LS_TARGET_S} s (issue 28)", "cli",
+                       f"< {LS_TARGET_S} s", ls_seconds(res["cli"]), "<=", LS_TARGET_S, " s",
+                       "median wall time of a fresh process", best=ls_seconds(res["cli"], "min_s")))
     for key, r in rss.items():
         if key.startswith("safeckpt.save") and "extra_bytes" in r:
             rows.append(_t("peak extra RSS of a sync save < 256 MiB", f"large fp32 {r['state_bytes'] / MiB:,.0f} MiB",
@@ -298,6 +306,10 @@ def report(res: dict) -> str:
         out.append(share_table(res["share"]))
     if res.get("plans"):
         out.append(plans_table(res["plans"]))
+    if res.get("cli"):
+        from cli_bench import cli_table
+
+        out.append(cli_table(res["cli"]))
     out.append(targets_table(res["targets"]))
     return "\n".join(out)
 
@@ -366,7 +378,7 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix=".safeckpt-bench-", dir=base))
     can_drop = [True]
     res: dict = {"config": c, "saveload": {}, "async": {}, "checksum": {}, "rss": {}, "dist": {}, "dcp": {},
-                 "gpu": [], "s3": {}, "incremental": {}, "tiered": {}, "nodes": {}, "share": {}, "plans": {}}
+                 "gpu": [], "s3": {}, "incremental": {}, "tiered": {}, "nodes": {}, "share": {}, "plans": {}, "cli": {}}
     timing: dict[str, dict] = {}
 
     def section(name: str):
@@ -470,6 +482,11 @@ def main() -> int:
         if "plans" in sections:
             with section("plans"):
                 res["plans"] = run_plans(c["plan_ranks"], c["plan_tensors"])
+        if "cli" in sections:
+            from cli_bench import run_cli
+
+            with section("cli"):
+                res["cli"] = run_cli(max(c["repeat"], 3), workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     for rec in timing.values():

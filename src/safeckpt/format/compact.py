@@ -29,7 +29,7 @@ from ..errors import CorruptCheckpointError
 from .pieces import first_seen
 from .plan import Box, PlanError, check_tilings, segments
 from .records import Chunk, TensorEntry
-from .tensors import MAX_DIMS, dtype_from_name
+from .dtypes import MAX_DIMS, itemsize_of
 
 
 ALGORITHM_WIDTH = {"xxh3_64": 8, "xxh3_128": 16}  # digest bytes per block checksum
@@ -640,7 +640,7 @@ def decode_table(raw: Any, files: Mapping[str, Any], block_size: int, where: str
     _need(isinstance(names, list) and all(type(n) is str for n in names), where, "names are not strings")
     _need(len(set(names)) == len(names), where, "a tensor name is listed twice")
     _need(isinstance(dtypes, list) and isinstance(algorithms, list), where, "bad dtype or algorithm list")
-    itemsizes = np.asarray([dtype_from_name(d, f"{where}: tensor table").itemsize for d in dtypes] or [1],
+    itemsizes = np.asarray([itemsize_of(d, f"{where}: tensor table") for d in dtypes] or [1],
                            dtype=np.int64)
     _need(all(a in ALGORITHM_WIDTH for a in algorithms), where, f"unknown checksum algorithm in {algorithms!r}")
     digests = _digests(raw["digests"], where)

@@ -133,6 +133,7 @@ class SaveRequest:
     allow_pickle: bool = False
     before_commit: Callable[[], None] | None = None  # rank 0, just before the manifest
     run_id: str | None = None
+    durable_root: str | None = None  # a save on a local tier: the durable root it belongs to
     chunk_size: int | None = None  # incremental: share chunks with ``base``'s checkpoint
     base: Callable[[], "tuple[str, Manifest] | None"] | None = None  # rank 0: (sibling folder, manifest)
     runner: Callable[..., SaveRun] = SaveRun  # the protocol; the node tier commits on many disks
@@ -150,7 +151,8 @@ class SaveRequest:
         return (runner or self.runner)(self.group, self.storage, overwrite=self.overwrite, step=self.step,
                                        metadata=self.metadata, metrics=self.metrics, new_save_id=new_save_id,
                                        existing=read_existing, before_commit=self.before_commit,
-                                       run_id=self.run_id, chunk_size=self.chunk_size, base=self.base)
+                                       run_id=self.run_id, durable_root=self.durable_root,
+                                       chunk_size=self.chunk_size, base=self.base)
 
     @property
     def stageable(self) -> bool:

@@ -29,6 +29,7 @@ from ..format.checksum import BLOCK_SIZE, checksum
 from ..format.folder import read_committed, retire, shared_by_siblings
 from .datafile import DataFileLayout, WrittenPiece, plan_layout, write_data_file
 from ..format.names import DATA_RE, data_file_name  # noqa: F401
+from .leftovers import WRITER_KEY, clear_aborted, writer_tag
 from .incremental import ChunkDigest, Source, Stored, chunk_key, digest_pieces, plan_reuse, reuse_index
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError,
                      UnsupportedFormatError)
@@ -111,8 +112,9 @@ def describe_error(exc: BaseException) -> str:
 
 
 def file_metadata(save_id: str) -> dict[str, str]:
-    """The safetensors ``__metadata__`` of a save's data files."""
-    return {"format": "pt", "safeckpt_save_id": save_id}
+    """The safetensors ``__metadata__`` of a save's data files: the save and the process
+    writing it (by which a later save tells a dead writer's leftovers, ``leftovers``)."""
+    return {"format": "pt", "safeckpt_save_id": save_id, WRITER_KEY: writer_tag()}
 
 
 
@@ -125,7 +127,7 @@ class SaveRun:
                  overwrite: "bool | Callable[[Manifest | None], bool]",
                  step: int | None, metadata: dict, metrics: dict, new_save_id: Any,
                  existing: Any, before_commit: Any = None, run_id: str | None = None,
-                 chunk_size: int | None = None, base: Any = None) -> None:
+                 durable_root: str | None = None, chunk_size: int | None = None, base: Any = None) -> None:
         self.group = group
         self.storage = storage
         self.overwrite = overwrite  # or, given the committed manifest (None: only torn ones), whether to replace
@@ -136,6 +138,7 @@ class SaveRun:
         self.existing = existing  # (storage) -> (committed Manifest | None, max seq seen)
         self.before_commit = before_commit  # rank 0, e.g. a writer lease check
         self.run_id = run_id
+        self.durable_root = durable_root  # recorded in the manifest (a local tier's save)
         self.chunk_size = chunk_size  # set: an incremental save with chunks of this size
         self.base = base  # rank 0: () -> (sibling folder, Manifest) to share chunks with, or None
         self.index: dict[tuple[str, int], Stored] = {}
@@ -290,6 +293,10 @@ class SaveRun:
         (refused when the folder holds a checkpoint this save may not replace)."""
         self.old, max_seq = self.existing(self.storage)
         refuse_existing(self.storage, self.old, max_seq, self.overwrite)
+        try:  # killed saves' files: their space is this save's (a small disk fills otherwise)
+            clear_aborted(self.storage, self.old)
+        except OSError:
+            pass  # best effort: garbage collection removes them later
         if self.chunk_size is not None and self.base is not None:
             self.index = reuse_index(self.base(), self.chunk_size)
         return self.new_save_id(), max_seq + 1
@@ -406,7 +413,8 @@ class SaveRun:
         return Manifest(save_id=mine.save_id, seq=mine.seq, created=time.time(),
                         world_size=len(intents), files=files, tensors=tensors,
                         tree=self.tree, step=self.step, metadata=self.metadata, metrics=self.metrics,
-                        run_id=self.run_id, block_size=block, version=WRITE_VERSION)
+                        run_id=self.run_id, durable_root=self.durable_root, block_size=block,
+                        version=WRITE_VERSION)
 
     @staticmethod
     def _add_pieces(plan: WritePlan, reports: list[Report], table: TableBuilder) -> np.ndarray:

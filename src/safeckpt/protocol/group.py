@@ -3,9 +3,10 @@
 ``SingleGroup`` stands in when torch.distributed is not initialized. ``TorchGroup``
 runs object collectives on a dedicated gloo group created with a timeout, so a rank
 that dies or hangs turns into a clear error instead of a hang, and checkpoint traffic
-never interleaves with the training's own collectives. Loads that share what they read
-(``exchange``) also send bytes point to point over it, or over a dedicated NCCL group
-(``device_group``).
+never interleaves with the training's own collectives. Its ``send_bytes`` and
+``recv_bytes`` move files between two ranks (the node tier's peer copies) under the
+same timeout; loads that share what they read (``exchange``) send bytes point to
+point over it, or over a dedicated NCCL group (``device_group``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from ..errors import SaveAbortedError
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("SAFECKPT_TIMEOUT", "300"))
+SEND_BLOCK = 64 << 20  # bytes per point-to-point message
 NODE_ENV = "SAFECKPT_NODE_ID"
 Peers = list[tuple[Any, int, int]]  # (a tensor of bytes, the other rank, a tag told apart within one exchange)
 
@@ -97,6 +99,30 @@ class TorchGroup:
         out = [None] * self.size
         self._run("all_gather", lambda: self.dist.all_gather_object(out, obj, group=self.pg))
         return out
+
+    def send_bytes(self, data: "bytes | bytearray", dst: int) -> None:
+        """Send ``data`` to rank ``dst`` of this group (which calls ``recv_bytes``): its
+        length, then the bytes in blocks, viewed in place (torch only reads a buffer it
+        sends)."""
+        import torch
+        peer = self.dist.get_global_rank(self.pg, dst)
+        self._run("send", lambda: self.dist.send(torch.tensor([len(data)], dtype=torch.int64), peer, group=self.pg))
+        if not data:
+            return
+        whole = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
+        for lo in range(0, len(data), SEND_BLOCK):
+            self._run("send", lambda b=whole[lo:lo + SEND_BLOCK]: self.dist.send(b, peer, group=self.pg))
+
+    def recv_bytes(self, src: int) -> memoryview:
+        """The bytes rank ``src`` sent with ``send_bytes``, received in place into one buffer."""
+        import torch
+        peer = self.dist.get_global_rank(self.pg, src)
+        size = torch.zeros(1, dtype=torch.int64)
+        self._run("recv", lambda: self.dist.recv(size, peer, group=self.pg))
+        out = torch.empty(int(size), dtype=torch.uint8)
+        for lo in range(0, int(size), SEND_BLOCK):
+            self._run("recv", lambda b=out[lo:lo + SEND_BLOCK]: self.dist.recv(b, peer, group=self.pg))
+        return out.numpy().data
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any rank: one all-reduce of one number."""

@@ -16,8 +16,6 @@ from typing import Any, Callable, cast
 
 import torch
 
-from ..format.checksum import checksum, file_checksum, matches
-from .datafile import read_header_length
 from ..errors import CorruptCheckpointError
 from ..format.compact import TableEntry, TensorTable
 from ..format.manifest import Chunk, Manifest
@@ -25,6 +23,7 @@ from ..format.plan import Box, byte_runs, overlap, volume
 from ..format.transformed import StoredChunk, is_transformed
 from . import transforms
 from .batchread import BatchedReads
+from .filecheck import CheckedFiles
 from .state import Read
 from ..storage import Storage
 from ..format.tensors import byte_view, dtype_from_name, holds_values
@@ -134,15 +133,13 @@ def _slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(*box))
 
 
-class TensorReader:
+class TensorReader(CheckedFiles):
     """Reads the tensors of one committed checkpoint."""
 
     def __init__(self, storage: Storage, manifest: Manifest, verify: bool, transforms: Any = None) -> None:
-        self.storage = storage
-        self.manifest = manifest
+        super().__init__(storage, manifest)
         self.verify = verify
         self.transforms = transforms  # a DCP ExtensionRegistry for transformed chunks (DCP's default when None)
-        self._located: dict[str, tuple[Storage, str]] = {}  # shared files live in sibling folders
 
     # -- planning --------------------------------------------------------------------
     def run(self, reads: list[Read]) -> None:
@@ -211,7 +208,7 @@ class TensorReader:
     def _batch_failed(self, batch: BatchedReads) -> Callable[[int, int, memoryview], None]:
         """What a batch calls when a tensor fails its checksum: the general check's error."""
         def failed(k: int, row: int, data: memoryview) -> None:
-            self._check(batch.reads[k].name, batch.table.chunks_at([row])[0], 0, data)
+            self.check_block(batch.reads[k].name, batch.table.chunks_at([row])[0], 0, data)
         return failed
 
     def _coalescing(self) -> tuple[int, int]:
@@ -273,7 +270,7 @@ class TensorReader:
             job = run[0]
             self.read_into(job.chunk.file, job.chunk.start, job.out)
             if self.verify:
-                self._check_blocks(job.name, job.chunk, job.out)
+                self.check_blocks(job.name, job.chunk, job.out)
 
     def _read_coalesced(self, run: list[Job], size: int) -> None:
         buf = memoryview(bytearray(size))
@@ -284,7 +281,7 @@ class TensorReader:
             job.out[:] = buf[pos:pos + n]
             pos += n
             if self.verify:
-                self._check_blocks(job.name, job.chunk, job.out)
+                self.check_blocks(job.name, job.chunk, job.out)
 
     def _read_partial(self, job: Job) -> None:
         """Read the blocks the runs touch (whole blocks when verifying), copy the runs out."""
@@ -297,89 +294,10 @@ class TensorReader:
                 b = start // block
                 b_start, b_end = b * block, min((b + 1) * block, chunk.end - chunk.start)
                 lo, hi = (b_start, b_end) if self.verify else (start, min(end, b_end))
-                buf = self._read_bytes(chunk.file, chunk.start + lo, hi - lo)
+                buf = self.read_bytes(chunk.file, chunk.start + lo, hi - lo)
                 if self.verify:
-                    self._check(job.name, chunk, b, buf)
+                    self.check_block(job.name, chunk, b, buf)
                 take = min(end, b_end) - start
                 job.out[pos:pos + take] = buf[start - lo:start - lo + take]
                 pos += take
                 start += take
-
-    # -- checks ----------------------------------------------------------------------
-    def _check(self, name: str, chunk: Chunk, index: int, data: bytes | memoryview) -> None:
-        lo = chunk.start + index * self.manifest.block_size
-        self.check_bytes(chunk.file, lo, data, chunk.checksums[index], f"tensor {name!r}")
-
-    def check_bytes(self, file: str, start: int, data: bytes | memoryview, expected: str, what: str) -> None:
-        """Raise ``CorruptCheckpointError`` unless ``data``, bytes of ``file`` from
-        ``start`` (``what`` they hold, for the message), has checksum ``expected``."""
-        if not matches(data, expected):
-            raise CorruptCheckpointError(
-                f"{self.storage.url}/{file}: {what} (bytes {start}-{start + len(data)}) "
-                "fails its checksum: the data is corrupt; restore from another checkpoint")
-
-    def _check_blocks(self, name: str, chunk: Chunk, data: memoryview) -> None:
-        block = self.manifest.block_size
-        for index in range(len(chunk.checksums)):
-            self._check(name, chunk, index, data[index * block:(index + 1) * block])
-
-    def _verify_chunk(self, name: str, chunk: Chunk) -> None:
-        """Check every block of a chunk, holding one block in memory at a time."""
-        block = self.manifest.block_size
-        for index in range(len(chunk.checksums)):
-            lo = chunk.start + index * block
-            self._check(name, chunk, index, self._read_bytes(chunk.file, lo, min(block, chunk.end - lo)))
-
-    def check_headers(self, files: set[str]) -> None:
-        """Data files' headers must match the checksums the manifest recorded."""
-        for name in sorted(files):
-            f = self.manifest.files[name]
-            if f.header_size is None:
-                continue
-            if checksum(self._read_bytes(name, 0, f.header_size)) != f.header_checksum:
-                raise CorruptCheckpointError(
-                    f"{self.storage.url}/{name}: the safetensors header does not match its checksum "
-                    "(the file was altered or damaged); restore from another checkpoint")
-
-    def verify_file(self, name: str) -> list[str]:
-        """Read every byte of one file and return its problems (empty when sound)."""
-        f = self.manifest.files[name]
-        where = f"{self.storage.url}/{name}"
-        if f.header_size is None:  # a sealed file written by another tool
-            ok = f.checksum is None or file_checksum(*self.storage.locate(name), f.size) == f.checksum
-            return [] if ok else [f"{where}: fails its checksum (altered or damaged)"]
-        prefix = self._read_bytes(name, 0, min(8, f.size))
-        claimed = read_header_length(prefix) if len(prefix) == 8 else None
-        if claimed is None or claimed + 8 != f.header_size:
-            return [f"{where}: the safetensors header claims {claimed} bytes; the file has {f.size} "
-                    f"and the manifest recorded {f.header_size - 8}"]
-        problems = []
-        checks: list[Callable[[], Any]] = [lambda: self.check_headers({name})]
-        seen = set()
-        for tname, c in self.manifest.chunks_in(name):
-            if (c.start, c.end) not in seen:
-                seen.add((c.start, c.end))
-                checks.append(functools.partial(self._verify_chunk, tname, c))
-        for check in checks:
-            try:
-                check()
-            except CorruptCheckpointError as exc:
-                problems.append(str(exc))
-        return problems
-
-    # -- storage ---------------------------------------------------------------------
-    def _read_bytes(self, name: str, offset: int, size: int) -> memoryview:
-        out = memoryview(bytearray(size))
-        self.read_into(name, offset, out)
-        return out
-
-    def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with bytes of the manifest's file ``name`` from ``offset``."""
-        try:
-            located = self._located.get(name)
-            if located is None:
-                located = self._located[name] = self.storage.locate(name)
-            located[0].read_into(located[1], offset, out)
-        except (EOFError, FileNotFoundError) as exc:
-            raise CorruptCheckpointError(
-                f"{self.storage.url}/{name}: {exc} (the file is truncated or missing)") from exc

@@ -251,6 +251,8 @@ VARYING = [  # what differs from run to run: ids, the lease's owner, times, what
     (re.compile(r'("token": ?")[0-9a-f]{32}"'), r'\1TOKEN"'),
     (re.compile(r'("host": ?")[^"]*"'), r'\1HOST"'),
     (re.compile(r'("pid": ?)\d+'), r"\1PID"),
+    (re.compile(r'("safeckpt_writer":")\d{10}@[0-9a-f]{16}"'), r'\1WRITER"'),
+    (re.compile(r'("hostname": ?")[^"]*"'), r'\1HOSTNAME"'),
     (re.compile(r'("created": ?)[0-9.e+]+'), r"\1TIME"),
     (re.compile(r'("(?:header_)?checksum": ?")xxh3_64:[0-9a-f]{16}"'), r'\1CHECKSUM"'),
     (re.compile(r'("(?:dtype|ndim|chunks|tied|shape|file|start|length|algorithm|offsets|box)": ?")'

@@ -123,6 +123,11 @@ class SaveRun:
     """One save by one rank; ``run()`` returns the committed manifest's summary (its
     files and fields, without the tensor table and tree, which only rank 0 holds)."""
 
+    #: whether the folder's manifests name every file a committed save owns there, so that
+    #: a data file none names is an aborted save's (``clear_aborted``); a subclass whose
+    #: folders record their files otherwise (the node tier's holding records) says no
+    manifests_name_all_files = True
+
     def __init__(self, group: SingleGroup | TorchGroup, storage: Storage, *,
                  overwrite: "bool | Callable[[Manifest | None], bool]",
                  step: int | None, metadata: dict, metrics: dict, new_save_id: Any,
@@ -293,10 +298,11 @@ class SaveRun:
         (refused when the folder holds a checkpoint this save may not replace)."""
         self.old, max_seq = self.existing(self.storage)
         refuse_existing(self.storage, self.old, max_seq, self.overwrite)
-        try:  # killed saves' files: their space is this save's (a small disk fills otherwise)
-            clear_aborted(self.storage, self.old)
-        except OSError:
-            pass  # best effort: garbage collection removes them later
+        if self.manifests_name_all_files:
+            try:  # killed saves' files: their space is this save's (a small disk fills otherwise)
+                clear_aborted(self.storage, self.old)
+            except OSError:
+                pass  # best effort: garbage collection removes them later
         if self.chunk_size is not None and self.base is not None:
             self.index = reuse_index(self.base(), self.chunk_size)
         return self.new_save_id(), max_seq + 1

@@ -286,7 +286,11 @@ class Option:
 
 
 class NodeSaveRun(SaveRun):
-    """The save protocol with the data on every node's own disk (see module docstring)."""
+    """The save protocol with the data on every node's own disk (see module docstring).
+    A node's folder holds no manifest: holding records name its files, and the tier's
+    own retention removes what none names."""
+
+    manifests_name_all_files = False
 
     def __init__(self, *args: Any, tier: "NodeTier", **kwargs: Any) -> None:
         super().__init__(*args, **{**kwargs, "existing": functools.partial(tier.existing, step=kwargs["step"])})

@@ -49,7 +49,7 @@ def runs(tmp_path_factory):
     server = sw.ShareForkServer(SRC)
     launches = {}
     try:
-        for world, scenarios in ((2, ["share_ddp"]), (3, ["share_ddp", "share_reshard", "share_fail"]),
+        for world, scenarios in ((2, ["share_ddp"]), (3, ["share_ddp", "share_reshard", "share_fail", "share_bounded"]),
                                  (4, ["share_ddp", "share_reshard"])):
             opts = {} if world == 3 else {"cases": FEW}
             launches[world] = server.launch(world, scenarios, root, out / f"w{world}", timeout=200, env=ENV,
@@ -131,6 +131,19 @@ def test_resharded_loads_with_partial_overlaps_read_each_byte_once(runs, world):
         shared, alone = total_read(res, f"{layout}_job"), total_read(res, f"{layout}_off")
         assert data <= shared <= whole * 1.01, f"{layout}: shared load read {shared} of {whole}"
         assert alone > 1.3 * data, f"{layout}: without sharing the ranks read only {alone} of {data}: no overlap?"
+
+
+def test_a_rank_holds_a_bounded_window_of_buffers(runs):
+    """2,000 small tensors (10 MB), every message through a buffer, windows of 1 MiB: no
+    rank ever holds more than its reads of two windows and its receipts of one."""
+    launches, _ = runs
+    res = launches[3].results("share_bounded")
+    for r, d in enumerate(res):
+        assert not d["raised"] and d["problems"] == [], (r, d.get("message"), d["problems"][:5])
+        bound = 3 * d["window"] + d["message"]
+        assert 0 < d["peak"] <= bound, f"rank {r} held {d['peak']} bytes of buffers at once (bound {bound})"
+        assert d["peak"] < d["total"] / 2, (r, d["peak"], d["total"])
+    assert sum(d["bytes"] for d in res) < 1.05 * res[0]["total"]
 
 
 # --------------------------------------------------------------------------- failures

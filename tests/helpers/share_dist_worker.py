@@ -187,6 +187,46 @@ def sc_share_ddp(ctx: dw.Ctx) -> dict:
     return out
 
 
+def sc_share_bounded(ctx: dw.Ctx) -> dict:
+    """Many small replicated tensors (every message staged in a buffer), 1 MiB windows:
+    the most buffer bytes a rank holds at once, against a load of 10 MB."""
+    import weakref
+
+    import numpy as np
+    import torch
+
+    import safeckpt
+    from safeckpt.protocol import exchange
+    exchange.WINDOW_BYTES, exchange.MESSAGE_BYTES = 1 << 20, 256 << 10
+    path = ctx.root / f"bounded-{ctx.world}"
+    g = torch.Generator().manual_seed(5)
+    state = {"t": [torch.randn(1280, generator=g) for _ in range(2000)]}  # 5 KB each, 10 MB
+    safeckpt.save(state, str(path))
+    ctx.barrier()
+    live, peak = [0], [0]
+    lock = threading.Lock()
+    made = exchange._buffer
+
+    def tracked(n: int) -> memoryview:
+        view = made(n)
+        with lock:
+            live[0] += n
+            peak[0] = max(peak[0], live[0])
+
+        def gone() -> None:
+            with lock:
+                live[0] -= n
+        weakref.finalize(view.obj, gone)
+        return view
+    exchange._buffer = tracked
+    target = {"t": [torch.zeros(1280) for _ in range(2000)]}
+    res = counted_load(target, path, share_reads="job")
+    exchange._buffer = made
+    res["problems"] = [f"t.{i}" for i, (a, b) in enumerate(zip(target["t"], state["t"])) if not torch.equal(a, b)]
+    return dict(res, peak=peak[0], total=sum(t.nbytes for t in state["t"]), window=exchange.WINDOW_BYTES,
+                message=exchange.MESSAGE_BYTES, numpy=np.__version__)
+
+
 def _reshard_state(rank: int, rows: list, cols: list | None, empty: bool = False) -> dict:
     import torch
     from safeckpt import Shard
@@ -354,6 +394,7 @@ def sc_plan_once(ctx: dw.Ctx) -> dict:
 
 
 dw.SCENARIOS.update({"share_ddp": sc_share_ddp, "share_reshard": sc_share_reshard, "share_fail": sc_share_fail,
+                     "share_bounded": sc_share_bounded,
                      "share_killed": sc_share_killed, "plan_once": sc_plan_once})
 
 

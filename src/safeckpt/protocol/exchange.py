@@ -222,6 +222,10 @@ class Exchange:
             self.bytes_read += len(buf)
         return buf
 
+    def _read_alone(self, k: int) -> None:
+        """Read a message only this rank needs; its buffer is dropped at once."""
+        self._read(k)
+
     def _check_header(self, file: str) -> None:
         """The first read of a file from storage checks its header (when verifying)."""
         if not self.reader.verify:
@@ -262,7 +266,7 @@ class Exchange:
                 submitted += 1
                 if submitted == len(windows):
                     for k in private:
-                        reads[k] = pool.submit(self._read, k)
+                        reads[k] = pool.submit(self._read_alone, k)
 
         try:
             for w, (lo, hi) in enumerate(windows):

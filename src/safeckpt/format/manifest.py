@@ -12,12 +12,13 @@ import dataclasses
 import json
 import math
 import re
+import secrets
 from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any
 
 from .tree import check_tree, child_key, decode_value, items_of, tag_of
-from .checksum import ALGORITHM, BLOCK_SIZE, checksum, is_checksum
+from .checksum import ALGORITHM, BLOCK_SIZE, checksum, checksum_of, is_checksum
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from .names import MANIFEST_RE, is_shared, manifest_name, manifest_seq, root_path, shared_location, step_of  # noqa: F401
 from .records import Chunk, FileEntry, TensorEntry  # noqa: F401 - the manifest's parts
@@ -134,12 +135,14 @@ def encode_manifest(m: Manifest) -> bytes:
     if transformed and m.version < stored_as.TRANSFORMED_VERSION:
         raise ValueError(f"a manifest with transformed tensors is format {stored_as.TRANSFORMED_VERSION}, "
                          f"not {m.version}")
+    table = from_entries(tensors, list(m.files), m.block_size).encode_parts() if m.version >= 3 else None
+    stand_in = f"table-{secrets.token_hex(16)}"  # the table's text goes where this string is
     body = {
         "format_version": m.version, "save_id": m.save_id, "seq": m.seq, "created": m.created,
         "world_size": m.world_size, "step": m.step, "block_size": m.block_size, "run_id": m.run_id,
         "metadata": encode_values(m.metadata, "metadata"), "metrics": encode_values(m.metrics, "metrics"),
         "files": [{k: v for k, v in vars(f).items() if v is not None} for f in m.files.values()],
-        "tensors": from_entries(tensors, list(m.files), m.block_size).encode() if m.version >= 3 else
+        "tensors": stand_in if table is not None else
                    {name: {"dtype": t.dtype, "shape": t.shape, "chunks": [vars(c) for c in t.chunks],
                            **({"tied_to": t.tied_to} if t.tied_to else {})}
                     for name, t in tensors.items()},
@@ -151,12 +154,18 @@ def encode_manifest(m: Manifest) -> bytes:
         body["durable_root"] = m.durable_root
     if m.dcp is not None:
         body["dcp"] = {"items": m.dcp.items, "planner_data": m.dcp.planner_data, "bytesio": m.dcp.bytesio}
-    return frame(json.dumps(body, separators=(",", ":"), allow_nan=False).encode())
+    text = json.dumps(body, separators=(",", ":"), allow_nan=False)
+    if table is None:
+        return frame(text.encode())
+    before, after = text.split(f'"{stand_in}"', 1)
+    return frame([before.encode(), *table, after.encode()])
 
 
-def frame(raw: bytes) -> bytes:
-    """A manifest's bytes on storage: the JSON body ``raw`` in its self-checksummed frame."""
-    return _PREFIX + raw + f',"checksum":"{checksum(raw)}"}}\n'.encode()
+def frame(raw: "bytes | list[bytes]") -> bytes:
+    """A manifest's bytes on storage: the JSON body ``raw`` (or the parts it is made of,
+    joined once, here) in its self-checksummed frame."""
+    parts = [raw] if isinstance(raw, (bytes, bytearray)) else raw
+    return b"".join([_PREFIX, *parts, f',"checksum":"{checksum_of(parts)}"}}\n'.encode()])
 
 
 def _need(cond: bool, where: str, what: str) -> None:

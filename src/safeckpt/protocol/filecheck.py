@@ -44,11 +44,15 @@ class CheckedFiles:
                 f"{self.storage.url}/{name}: {exc} (the file is truncated or missing)") from exc
 
     def check_block(self, name: str, chunk: Chunk, index: int, data: bytes | memoryview) -> None:
-        if not matches(data, chunk.checksums[index]):
-            block = self.manifest.block_size
-            lo = chunk.start + index * block
+        lo = chunk.start + index * self.manifest.block_size
+        self.check_bytes(chunk.file, lo, data, chunk.checksums[index], f"tensor {name!r}")
+
+    def check_bytes(self, file: str, start: int, data: bytes | memoryview, expected: str, what: str) -> None:
+        """Raise ``CorruptCheckpointError`` unless ``data``, bytes of ``file`` from
+        ``start`` (``what`` they hold, for the message), has checksum ``expected``."""
+        if not matches(data, expected):
             raise CorruptCheckpointError(
-                f"{self.storage.url}/{chunk.file}: tensor {name!r} (bytes {lo}-{min(lo + block, chunk.end)}) "
+                f"{self.storage.url}/{file}: {what} (bytes {start}-{start + len(data)}) "
                 "fails its checksum: the data is corrupt; restore from another checkpoint")
 
     def check_blocks(self, name: str, chunk: Chunk, data: memoryview) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, cast
 
 import torch
@@ -34,7 +34,7 @@ READ_THREADS = 4
 
 
 @dataclass
-class _Job:
+class Job:
     """Bytes of one chunk to read: ``runs`` (start within the chunk, length), in order,
     land back to back in ``out``."""
 
@@ -43,6 +43,18 @@ class _Job:
     runs: list[tuple[int, int]]
     out: memoryview
     whole: bool  # the runs are the whole chunk (decided once: it is asked per neighbour)
+
+
+@dataclass
+class ReadWork:
+    """A load's reads as planned (``TensorReader.plan``): the chunks' bytes to read
+    (``jobs``, and small whole tensors in ``batched``), then what ``finish`` does with
+    them (stream transforms undone, buffers copied into their tensors)."""
+
+    batched: list[BatchedReads]
+    jobs: list[Job] = field(default_factory=list)
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    decodes: list[tuple[Job, torch.Tensor]] = field(default_factory=list)
 
 
 def read_box(read: Read) -> Box:
@@ -82,11 +94,11 @@ def _whole(dest: torch.Tensor, dtype: torch.dtype, box: Box | None, shape: list[
             and (box is None or (not any(box[0]) and list(box[1]) == shape)))
 
 
-def _job_runs(jobs: list[_Job], below: int, most: int) -> list[list[_Job]]:
+def _job_runs(jobs: list[Job], below: int, most: int) -> list[list[Job]]:
     """Jobs in file order, neighbours of whole small chunks gathered into one read of at
     most about ``most`` bytes."""
     jobs = sorted(jobs, key=lambda j: (j.chunk.file, j.chunk.start))
-    runs: list[list[_Job]] = []
+    runs: list[list[Job]] = []
     i = 0
     while i < len(jobs):
         run = [jobs[i]]
@@ -134,6 +146,13 @@ class TensorReader(CheckedFiles):
         """Fill every ``Read``: its ``dest`` in place, or a new tensor in ``result``.
         Small whole tensors of format-3 tables go in batches (``batchread``), the rest
         chunk by chunk."""
+        work = self.plan(reads)
+        self.fetch(work)
+        self.finish(work)
+
+    def plan(self, reads: list[Read]) -> ReadWork:
+        """What filling ``reads`` takes: the byte ranges to read and where they land (a
+        fresh tensor is made here for each read without a ``dest``)."""
         below, most = self._coalescing()
         batches: dict[int, BatchedReads] = {}
         general: list[tuple[Read, torch.Tensor]] = []
@@ -161,23 +180,29 @@ class TensorReader(CheckedFiles):
                 general.append((read, dest))
         for batch in batches.values():
             general += batch.keep_below(below)
-        batched = [b for b in batches.values() if b.rows]
-        jobs: list[_Job] = []
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        decodes: list[tuple[_Job, torch.Tensor]] = []
+        work = ReadWork([b for b in batches.values() if b.rows])
         for (read, dest), chunks in zip(general, chunks_needed([r for r, _ in general])):
             self._plan_read(read.name, chunks, dest, read_box(read), dtype_from_name(read.entry.dtype, read.name),
-                            jobs, copies, decodes)
+                            work.jobs, work.copies, work.decodes)
+        return work
+
+    def fetch(self, work: ReadWork) -> None:
+        """Read (and check) every byte of ``work`` from storage, on a few threads."""
+        below, most = self._coalescing()
         if self.verify:
-            self.check_headers({j.chunk.file for j in jobs}.union(*(b.files() for b in batched)))
+            self.check_headers({j.chunk.file for j in work.jobs}.union(*(b.files() for b in work.batched)))
         tasks: list[Callable[[], None]] = [functools.partial(self._read_run, run)
-                                           for run in _job_runs(jobs, below, most)]
-        for batch in batched:
+                                           for run in _job_runs(work.jobs, below, most)]
+        for batch in work.batched:
             tasks += batch.tasks(self.read_into, self.verify, most, self._batch_failed(batch))
         _in_threads(tasks)
-        self._decode(decodes)
+
+    def finish(self, work: ReadWork) -> None:
+        """Once every byte of ``work`` is in place: undo stream transforms, copy the
+        bytes read into buffers to their tensors."""
+        self._decode(work.decodes)
         with torch.no_grad():
-            for target, tmp in copies:
+            for target, tmp in work.copies:
                 target.copy_(tmp)
 
     def _batch_failed(self, batch: BatchedReads) -> Callable[[int, int, memoryview], None]:
@@ -192,13 +217,13 @@ class TensorReader(CheckedFiles):
         return below, max(COALESCE_MAX, 2 * below)
 
     def _plan_read(self, name: str, chunks: list[Chunk], dest: torch.Tensor, box: Box,
-                   dtype: torch.dtype, jobs: list[_Job], copies: list, decodes: list) -> None:
+                   dtype: torch.dtype, jobs: list[Job], copies: list, decodes: list) -> None:
         """Jobs (and copies) that fill ``box`` of the tensor from ``chunks``: those that
         meet the box (``meeting``), or all of them. A transformed chunk is read whole and
         decoded (``decodes``) into a tensor of its box, copied from there."""
         if len(chunks) == 1 and not is_transformed(chunks[0]) and _whole(dest, dtype, box, list(chunks[0].shape)):
             chunk = chunks[0]  # the common case: one whole chunk straight into its tensor
-            jobs.append(_Job(name, chunk, [(0, chunk.end - chunk.start)], byte_view(dest), True))
+            jobs.append(Job(name, chunk, [(0, chunk.end - chunk.start)], byte_view(dest), True))
             return
         covered = 0
         for chunk in chunks:
@@ -208,7 +233,7 @@ class TensorReader(CheckedFiles):
                 continue
             covered += volume(ov[1])
             if is_transformed(chunk):
-                stored = _Job(name, chunk, [(0, chunk.end - chunk.start)], memoryview(bytearray(chunk.end - chunk.start)),
+                stored = Job(name, chunk, [(0, chunk.end - chunk.start)], memoryview(bytearray(chunk.end - chunk.start)),
                               True)
                 jobs.append(stored)
                 decoded = torch.empty(cbox[1], dtype=dtype)
@@ -218,7 +243,7 @@ class TensorReader(CheckedFiles):
             direct = ov == cbox == box and _takes_bytes(dest, dtype)
             tmp = dest if direct else torch.empty(ov[1], dtype=dtype)
             runs = byte_runs(cbox[1], _relative(ov, cbox[0]), dtype.itemsize)
-            jobs.append(_Job(name, chunk, runs, byte_view(tmp), runs == [(0, chunk.end - chunk.start)]))
+            jobs.append(Job(name, chunk, runs, byte_view(tmp), runs == [(0, chunk.end - chunk.start)]))
             if not direct:
                 copies.append((dest[_slices(_relative(ov, box[0]))], tmp))
         if covered != volume(box[1]):
@@ -227,7 +252,7 @@ class TensorReader(CheckedFiles):
                 f"{list(box[0])}+{list(box[1])}")
 
     # -- execution -------------------------------------------------------------------
-    def _decode(self, decodes: list[tuple[_Job, torch.Tensor]]) -> None:
+    def _decode(self, decodes: list[tuple[Job, torch.Tensor]]) -> None:
         """Undo the stream transforms of the transformed chunks read (and checked)."""
         if decodes and self.transforms is None:
             self.transforms = transforms.default_registry()
@@ -236,7 +261,7 @@ class TensorReader(CheckedFiles):
             transforms.decode(chunk.transforms, job.out, byte_view(decoded), self.transforms,
                               f"{self.storage.url}/{chunk.file}: tensor {job.name!r}")
 
-    def _read_run(self, run: list[_Job]) -> None:
+    def _read_run(self, run: list[Job]) -> None:
         if len(run) > 1:
             self._read_coalesced(run, sum(len(j.out) for j in run))
         elif not run[0].whole:
@@ -247,7 +272,7 @@ class TensorReader(CheckedFiles):
             if self.verify:
                 self.check_blocks(job.name, job.chunk, job.out)
 
-    def _read_coalesced(self, run: list[_Job], size: int) -> None:
+    def _read_coalesced(self, run: list[Job], size: int) -> None:
         buf = memoryview(bytearray(size))
         self.read_into(run[0].chunk.file, run[0].chunk.start, buf)
         pos = 0
@@ -258,7 +283,7 @@ class TensorReader(CheckedFiles):
             if self.verify:
                 self.check_blocks(job.name, job.chunk, job.out)
 
-    def _read_partial(self, job: _Job) -> None:
+    def _read_partial(self, job: Job) -> None:
         """Read the blocks the runs touch (whole blocks when verifying), copy the runs out."""
         block = self.manifest.block_size
         chunk = job.chunk

@@ -20,6 +20,7 @@ from ..errors import CleanupWarning, ForeignRunWarning, SkippedCheckpointWarning
 from . import garbage
 from .asyncsave import AsyncSaver, SaveFuture, background_group
 from ..protocol.checkpoint import CheckpointInfo, load, log_save, save_request
+from ..protocol.exchange import share_mode
 from ..format.folder import retire
 from ..format.folder import FolderState, CheckpointState, step_folders, step_state
 from ..protocol.incremental import CHUNK_SIZE, MIN_CHUNK_SIZE
@@ -389,7 +390,8 @@ class CheckpointManager:
 
     # -- restoring ---------------------------------------------------------------------
     @_one_call_at_a_time
-    def restore(self, state: dict, step: int | None = None, *, strict: bool = True) -> int | None:
+    def restore(self, state: dict, step: int | None = None, *, strict: bool = True,
+                share_reads: "str | bool | None" = None) -> int | None:
         """Load the newest valid checkpoint (or ``step``) into ``state``; return its step.
 
         Incomplete saves and corrupt checkpoints are skipped with a warning naming each.
@@ -397,8 +399,10 @@ class CheckpointManager:
         copy and from ``root`` otherwise. Returns None when no tier has a committed
         checkpoint; raises ``CorruptCheckpointError`` if committed ones exist but none
         loads (the state may then be partly overwritten). Restoring continues that
-        checkpoint's run."""
+        checkpoint's run. ``share_reads``: as for ``load`` (bytes several ranks need are
+        read once and sent between them)."""
         self._check_open()
+        share_mode(share_reads)  # a bad value is refused before anything is read
         self.wait()
         if nodes := self._node_tier():
             return nodes.restore(state, step, strict)
@@ -425,7 +429,7 @@ class CheckpointManager:
                 self._damaged.add(candidate)
                 continue
             try:
-                self._load(state, root, candidate, strict)
+                self._load(state, root, candidate, strict, share_reads)
             except (CheckpointNotFoundError, CorruptCheckpointError, StorageError) as exc:
                 skipped.append(f"step {candidate} in {root.url}: {exc}")
                 self._damaged.add(candidate)
@@ -467,9 +471,9 @@ class CheckpointManager:
             warn("restore: " + "; ".join(notes), SkippedCheckpointWarning)
         return rows
 
-    def _load(self, state: dict, root: Storage, step: int, strict: bool) -> None:
-        load(state, root.child(step_folder(step)), strict=strict,
-             process_group=self.group, allow_pickle=self.allow_pickle)
+    def _load(self, state: dict, root: Storage, step: int, strict: bool, share_reads: "str | bool | None") -> None:
+        load(state, root.child(step_folder(step)), strict=strict, process_group=self.group,
+             allow_pickle=self.allow_pickle, share_reads=share_reads)
 
     # -- preemption --------------------------------------------------------------------
     def _on_sigterm(self, signum: int, frame: Any) -> None:

@@ -32,7 +32,6 @@ import functools
 import json
 import logging
 import os
-import socket
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, cast
@@ -44,7 +43,7 @@ from ..protocol.commit import (DATA_RE, SaveRun, describe_error, read_existing, 
                      write_manifest)
 from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, ReplicationWarning,
                       SaveAbortedError, SkippedCheckpointWarning, StorageError, warn)
-from ..protocol.group import TorchGroup, resolve
+from ..protocol.group import TorchGroup, node_id, resolve
 from ..format.manifest import Manifest, decode_manifest, encode_manifest, manifest_name, manifest_seq
 from ..format.names import step_folder
 from ..storage import Storage
@@ -54,13 +53,7 @@ if TYPE_CHECKING:
     from .manager import CheckpointManager
 
 log = logging.getLogger(__name__)
-NODE_ENV = "SAFECKPT_NODE_ID"
 RECORD_PREFIX = "holds-"
-
-
-def node_id() -> str:
-    """This process's node: ``$SAFECKPT_NODE_ID``, else the host name."""
-    return os.environ.get(NODE_ENV) or socket.gethostname()
 
 
 @dataclass

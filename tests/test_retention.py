@@ -217,3 +217,15 @@ def test_bad_retention_is_a_value_error(tmp_path, kwargs):
 def test_nan_is_never_best():
     r = Retention(keep_best=1, best_metric="loss", best_mode="max")
     assert r.best({1: {"loss": math.nan}, 2: {"loss": 1.0}, 3: {"loss": True}}) == [2]
+
+
+@pytest.mark.parametrize("mode, best", [("min", -math.inf), ("max", math.inf)])
+def test_an_infinite_metric_is_the_extreme_it_is(tmp_path, mode, best):
+    """A loss of -inf is the lowest there is (and an accuracy of +inf the highest): kept
+    as the best, never passed over as if it were NaN."""
+    with safeckpt.CheckpointManager(tmp_path, keep_last=1, keep_best=1, best_metric="m", best_mode=mode) as mgr:
+        for step, value in ((1, 1.0), (2, best), (3, 0.5), (4, -best), (5, 2.0)):
+            mgr.save(step, _state(step), metrics={"m": value})
+    assert mgr.steps() == [2, 5]
+    assert Retention(keep_best=2, best_metric="m", best_mode=mode).best(
+        {1: {"m": 1.0}, 2: {"m": best}, 3: {"m": -best}}) == [2, 1, 3]

@@ -49,10 +49,12 @@ class Retention:
         return kept
 
     def best(self, metrics: dict[int, dict]) -> list[int]:
-        """Steps that recorded a finite ``best_metric``, best first (ties: newer first)."""
+        """Steps that recorded a number as ``best_metric``, best first (ties: newer first).
+        Infinities rank as the extremes they are (a loss of -inf is the lowest); NaN, a
+        bool, a string or no value at all never ranks: such a step is kept only by the
+        other rules."""
         sign = 1 if self.best_mode == "min" else -1
-        scored = [(sign * float(m[self.best_metric]), -s, s) for s, m in metrics.items()
-                  if isinstance(m.get(self.best_metric), (int, float))
-                  and not isinstance(m.get(self.best_metric), bool)
-                  and math.isfinite(m[self.best_metric])]
+        scored = [(sign * value, -s, s) for s, m in metrics.items()
+                  if isinstance(value := m.get(self.best_metric), (int, float)) and not isinstance(value, bool)
+                  and not (isinstance(value, float) and math.isnan(value))]
         return [s for _, _, s in sorted(scored)]

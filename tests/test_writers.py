@@ -153,3 +153,43 @@ def test_a_fenced_async_writer_raises_and_retains_nothing(tmp_path):
     t = make_template()
     assert second.restore(t) == 2 and state_mismatch(t, 2) is None
     second.close()
+
+
+def _lease(pid: object) -> bytes:
+    import json
+    import socket
+
+    from safeckpt.protocol.leftovers import THIS_HOST
+    return json.dumps({"run_id": "r", "host": THIS_HOST, "pid": pid, "token": "t", "created": 1.0,
+                       "hostname": socket.gethostname()}).encode()
+
+
+UNREADABLE_LEASES = {"pid as a string": _lease(str(os.getpid())), "pid 2**70": _lease(2**70),
+                     "pid 0 (the process group)": _lease(0), "pid -1 (every process)": _lease(-1),
+                     "pid 1.5": _lease(1.5), "pid true": _lease(True), "a JSON list": b"[1, 2]",
+                     "not JSON": b"\xff{", "nested too deeply": b"[" * 100_000,
+                     "too big to be a lease": _lease(os.getpid()) + b" " * (1 << 20),
+                     "a folder under a lease's name": None}
+
+
+@pytest.mark.parametrize("kind", list(UNREADABLE_LEASES))
+def test_an_unreadable_lease_is_taken_over(tmp_path, kind):
+    """docs/format.md §2.7: a lease that cannot be read is taken over (with a warning),
+    never asked about (pid 0 and -1 ask for a process group, every process: alive) and
+    never a crash (TypeError, OverflowError) or a root blocked for good."""
+    root = tmp_path / "run"
+    root.mkdir()
+    lease = root / "safeckpt-writer-000000001.json"
+    if UNREADABLE_LEASES[kind] is None:
+        lease.mkdir()
+        (lease / "keep").write_bytes(b"x")
+    else:
+        lease.write_bytes(UNREADABLE_LEASES[kind])
+    with pytest.warns(safeckpt.LeaseWarning, match="safeckpt-writer-000000001.json is not a readable writer lease"):
+        mgr = safeckpt.CheckpointManager(root)
+        mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    assert mgr.steps() == [1, 2] and (root / "safeckpt-writer-000000002.json").is_file()
+    if UNREADABLE_LEASES[kind] is None:
+        assert (lease / "keep").read_bytes() == b"x"  # not ours: never deleted
+    mgr.close()

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CleanupWarning,
-                     CorruptCheckpointError, ForeignRunWarning, PartialLoadWarning, ReplicationWarning,
-                     SafeckptWarning, SaveAbortedError, SkippedCheckpointWarning, StateMismatchError,
-                     StorageError, UnsafeObjectError, UnsupportedFeatureError, UnsupportedFormatError,
-                     WeakStorageWarning)
+                     CorruptCheckpointError, ForeignRunWarning, LeaseWarning, PartialLoadWarning,
+                     ReplicationWarning, SafeckptWarning, SaveAbortedError, SkippedCheckpointWarning,
+                     StateMismatchError, StorageError, UnsafeObjectError, UnsupportedFeatureError,
+                     UnsupportedFormatError, WeakStorageWarning)
 
 if TYPE_CHECKING:
     from .run.asyncsave import SaveFuture, async_save
@@ -46,7 +46,7 @@ __all__ = [
     "CorruptCheckpointError", "SaveAbortedError", "StateMismatchError", "StorageError",
     "UnsafeObjectError", "UnsupportedFeatureError",
     "SafeckptWarning", "SkippedCheckpointWarning", "CleanupWarning", "ForeignRunWarning",
-    "PartialLoadWarning", "ReplicationWarning", "WeakStorageWarning",
+    "PartialLoadWarning", "ReplicationWarning", "WeakStorageWarning", "LeaseWarning",
 ]
 
 

@@ -109,6 +109,12 @@ class WeakStorageWarning(SafeckptWarning):
     writer lease); the message says what does not hold."""
 
 
+class LeaseWarning(SafeckptWarning):
+    """The run root's newest writer lease could not be read (a folder under its name, a
+    field of the wrong type, a pid no process has); the manager took the root over, as
+    docs/format.md §2.7 says for an unreadable lease."""
+
+
 def warn(message: str, category: type[SafeckptWarning]) -> None:
     """Issue a warning that points at the first frame outside safeckpt, whatever the
     depth of the call and on any thread (hand-counted stack levels were wrong on the

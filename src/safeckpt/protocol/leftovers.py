@@ -56,10 +56,16 @@ def writer_tag() -> str:
     return f"{os.getpid():010d}@{THIS_HOST}"
 
 
+def valid_pid(pid: object) -> bool:
+    """Whether ``pid`` can be a process's id: an int from 1 below 2**31 (``kill`` takes 0
+    and -1 for process groups and everyone, and refuses what does not fit a pid_t)."""
+    return type(pid) is int and 0 < pid < 2**31
+
+
 def process_alive(host: str, pid: int) -> bool | None:
     """Whether the process ``pid`` of ``host`` runs (this process does); None when it
-    is on another host and cannot be asked."""
-    if host != THIS_HOST:
+    is on another host, or ``pid`` is no process id, and it cannot be asked."""
+    if host != THIS_HOST or not valid_pid(pid):
         return None
     if pid == os.getpid():
         return True

@@ -2,10 +2,13 @@
 
 A manager takes the root by creating the next lease file (exclusive create, so two
 takers cannot both win). Another live process on the same host holding it makes the
-new one fail fast; otherwise (a dead process, or another host that cannot be asked)
-the new one takes over and the old one is *fenced*: it checks the lease before every
-commit and deletion and stops with a clear error once it is no longer the holder.
-No clocks or mtimes are involved.
+new one fail fast; otherwise (a dead process, another host that cannot be asked, or a
+lease that cannot be read) the new one takes over and the old one is *fenced*: it
+checks the lease before every commit and deletion and stops with a clear error once it
+is no longer the holder. No clocks or mtimes are involved. A lease is only read if it
+is a small file holding the fields of ``Holder`` with their types and a possible
+process id; anything else (a folder under its name, a hand-edited pid of ``"123"``,
+``0``, ``-1`` or ``2**70``) is unreadable: taken over with a warning, never asked about.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from ..errors import WeakStorageWarning, warn
+from ..errors import LeaseWarning, WeakStorageWarning, warn
 from ..errors import CheckpointExistsError
 from ..format.names import LEASE_RE, lease_name
-from ..protocol.leftovers import THIS_HOST, process_alive
+from ..protocol.leftovers import THIS_HOST, process_alive, valid_pid
 from ..storage import Storage
 
+MAX_LEASE_BYTES = 64 << 10  # a lease is a line of JSON; a bigger file under its name is not one
 
 
 @dataclass
@@ -35,6 +39,26 @@ class Holder:
     token: str
     created: float
     hostname: str = ""  #: for messages
+
+    @classmethod
+    def parse(cls, data: bytes) -> "Holder":
+        """The holder a lease file records; ``ValueError`` saying why when it is not one
+        (fields of other types, a pid no process can have). Unknown fields are ignored."""
+        try:
+            body = json.loads(data)
+        except RecursionError as exc:
+            raise ValueError("nested too deeply") from exc
+        if not isinstance(body, dict):
+            raise ValueError("not a JSON object")
+        fields: dict[str, type | tuple[type, ...]] = {"run_id": str, "host": str, "pid": int, "token": str,
+                                                      "created": (int, float), "hostname": str}
+        for name, kind in fields.items():
+            value = body.get(name, "" if name == "hostname" else None)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"{name} is {value!r}, not a {getattr(kind, '__name__', 'number')}")
+        if not valid_pid(body["pid"]):
+            raise ValueError(f"pid {body['pid']} is no process id")
+        return cls(**{name: body[name] for name in fields if name in body})
 
     @property
     def where(self) -> str:
@@ -53,16 +77,20 @@ class WriterLease:
         self.me = Holder(run_id, THIS_HOST, os.getpid(), uuid.uuid4().hex, time.time(), socket.gethostname())
         self.epoch: int | None = None
 
-    def current(self) -> tuple[int, Holder | None]:
-        """The highest lease epoch in the root and its holder (None if unreadable)."""
-        epochs = [int(m.group(1)) for n in self.storage.listdir() if (m := LEASE_RE.fullmatch(n))]
+    def current(self) -> tuple[int, Holder | str | None]:
+        """The highest lease epoch in the root (a folder under a lease's name counts: that
+        epoch is taken) and its holder: None without a lease, or why it cannot be read."""
+        epochs = {int(m.group(1)): size for n, size in self.storage.listdir().items() if (m := LEASE_RE.fullmatch(n))}
         if not epochs:
             return 0, None
         epoch = max(epochs)
+        size = epochs[epoch]
+        if size is None or size > MAX_LEASE_BYTES:
+            return epoch, "a folder, not a file" if size is None else f"{size} bytes, not a lease"
         try:
-            return epoch, Holder(**json.loads(self.storage.read(lease_name(epoch))))
-        except (ValueError, TypeError, OSError):
-            return epoch, None
+            return epoch, Holder.parse(self.storage.read(lease_name(epoch)))
+        except (ValueError, OSError) as exc:
+            return epoch, str(exc) or type(exc).__name__
 
     def acquire(self) -> None:
         """Take the root (see module docstring); raises if a live local process has it.
@@ -75,7 +103,10 @@ class WriterLease:
                  "lease cannot keep two jobs that start at the same moment apart; run one job per "
                  "checkpoint root", WeakStorageWarning)
         epoch, holder = self.current()
-        if holder is not None and holder.token != self.me.token and holder.alive_here():
+        if isinstance(holder, str):
+            warn(f"{self.storage.url}/{lease_name(epoch)} is not a readable writer lease ({holder}); "
+                 "this manager takes the root over", LeaseWarning)
+        elif holder is not None and holder.token != self.me.token and holder.alive_here():
             raise CheckpointExistsError(
                 f"{self.storage.url} is in use by another job ({holder.where}, "
                 f"run {holder.run_id}); two jobs must not write one checkpoint root. Stop the "
@@ -88,7 +119,8 @@ class WriterLease:
                 "one checkpoint root") from exc
         self.epoch = epoch + 1
         older = [lease_name(e) for e in range(max(1, epoch - 2), epoch + 1)]
-        self.storage.delete(older)
+        listed = self.storage.listdir()
+        self.storage.delete([n for n in older if listed.get(n) is not None])  # files only: never a folder
 
     def check(self) -> None:
         """Raise if another manager has taken the root since we acquired it."""
@@ -97,7 +129,7 @@ class WriterLease:
             return
         epoch, holder = self.current()
         if epoch != self.epoch:
-            who = holder.where if holder else "another job"
+            who = holder.where if isinstance(holder, Holder) else "another job"
             raise CheckpointExistsError(
                 f"this manager no longer owns {self.storage.url}: {who} took it over; to protect "
                 "that job's checkpoints this one will not commit or delete anything more")

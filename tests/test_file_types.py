@@ -226,3 +226,25 @@ def test_a_reference_into_a_symlinked_step_folder_is_refused(tmp_path):
     m = decode_manifest((second / "manifest-000001.json").read_bytes(), "m")
     assert any(f.startswith("../step-000000001/") for f in m.files)
     assert encode_manifest(m)  # the manifest itself is well formed: the link is what is refused
+
+
+def test_a_step_folder_that_is_a_symlink_is_never_written_through(tmp_path):
+    """docs/format.md §2.6: ``run/step-000000005 -> elsewhere`` is not the manager's to
+    write: saving step 5 is refused at once, naming the link, and the folder it points to
+    is left exactly as it was (nothing written into it, nothing deleted)."""
+    import time
+
+    other, root = tmp_path / "elsewhere", tmp_path / "run"
+    safeckpt.save(_state(), other)
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    root.mkdir()
+    os.symlink(other, root / "step-000000005")
+    started = time.monotonic()
+    with safeckpt.CheckpointManager(root) as mgr:
+        with pytest.raises(safeckpt.CheckpointError, match="step-000000005 is a symbolic link") as err:
+            mgr.save(5, _state(2.0))
+        assert "not shared" not in str(err.value)
+        assert time.monotonic() - started < 3  # refused, not a wait for other ranks
+        mgr.save(6, _state(3.0))  # the root itself is fine
+        assert mgr.steps() == [6]
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == before

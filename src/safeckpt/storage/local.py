@@ -41,7 +41,7 @@ import time
 from types import TracebackType
 from typing import Any, Iterable, Protocol
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, StorageError
 from .base import Buffer, Replacement, Storage, is_replace_temp, replace_temp_name, storage_error
 from .mounts import warn_if_fsync_is_weak
 
@@ -234,22 +234,37 @@ class LocalStorage(Storage):
 
     def _real_folders(self, path: str) -> bool:
         """Every folder from the anchor down to ``path`` (exclusive) is a folder, not a link."""
+        return self._first_link(path) is None
+
+    def _first_link(self, path: str) -> str | None:
+        """The first entry from the anchor down to ``path`` (exclusive) that is not a real
+        folder (a symbolic link, most likely), or None when there is none."""
         if self.follow_symlinks:
-            return True
+            return None
         rel = os.path.relpath(os.path.dirname(path), self.anchor)
         if rel == ".":
-            return True
+            return None
         current = self.anchor
         for part in rel.split(os.sep):
             current = os.path.join(current, part)
             try:
                 if not stat.S_ISDIR(self.fs.lstat(current).st_mode):
-                    return False
+                    return current
             except FileNotFoundError:
-                return True  # nothing below a missing folder can be read either
+                return None  # nothing below a missing folder can be reached either
             except OSError:
-                return False
-        return True
+                return current
+        return None
+
+    def _refuse_links(self, path: str, action: str) -> None:
+        """Writes and deletions never go through a symbolic link below the folder that was
+        opened (docs/format.md §2.6): it would change another folder than the one named."""
+        link = self._first_link(path)
+        if link is not None:
+            raise StorageError(
+                f"cannot {action} {path}: {link} is a symbolic link (or not a folder) below {self.anchor}, and "
+                "safeckpt never writes or deletes through one (it would change the folder the link points to); "
+                "remove the link, or save elsewhere")
 
     def _is_inside(self) -> bool:
         if self._inside is None:
@@ -271,6 +286,7 @@ class LocalStorage(Storage):
         fs = self.fs
         path = self._full(name)
         written = 0
+        self._refuse_links(path, "create")
         try:
             self._ensure_folder(os.path.dirname(path))
             if fs is OS_FILESYSTEM:
@@ -322,6 +338,7 @@ class LocalStorage(Storage):
         folders = {self.path}
         for name in names:
             path = self._full(name)
+            self._refuse_links(path, "sync")
             folders.add(os.path.dirname(path))
             try:
                 fd = self.fs.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
@@ -362,6 +379,7 @@ class LocalStorage(Storage):
         folders = set()
         for name in names:
             path = self._full(name)
+            self._refuse_links(path, "delete")
             try:
                 self.fs.unlink(path)
             except FileNotFoundError:
@@ -377,6 +395,8 @@ class LocalStorage(Storage):
 
     def rename(self, src: str, dst: str) -> None:
         path = self._full(dst)
+        self._refuse_links(self._full(src), "rename")
+        self._refuse_links(path, "rename into")
         try:
             self.fs.replace(self._full(src), path)
             fsync_folder(os.path.dirname(path), self.fs)
@@ -387,6 +407,7 @@ class LocalStorage(Storage):
         return _LocalReplacement(self, name)
 
     def remove_folder(self) -> None:
+        self._refuse_links(os.path.join(self.path, "x"), "remove")
         try:
             self.fs.rmdir(self.path)
         except FileNotFoundError:
@@ -411,11 +432,13 @@ class _LocalReplacement(Replacement):
         self.temp = os.path.join(folder, os.path.basename(replace_temp_name(name)))
         self.written = 0
         self._gathered = bytearray()
+        self.fd: int | None = None
+        storage._refuse_links(path, "replace")
         try:
             storage._ensure_folder(folder)
             self._remove_leftovers()
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-            self.fd: int | None = fs.open(self.temp, flags, 0o666)
+            self.fd = fs.open(self.temp, flags, 0o666)
         except OSError as exc:
             raise storage_error(exc, "create", self.temp) from exc
 

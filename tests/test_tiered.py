@@ -1063,3 +1063,31 @@ def test_two_gloo_ranks_tiered_several_saves(dist_server, tmp_path):
     assert committed(durable) == [2, 3]
     for step in (2, 3):
         _durable_exact_2ranks(durable, local, step)
+
+
+def test_the_restored_step_saved_again_replaces_its_durable_copy(tiers, tmp_path):
+    """The README's loop ``start = mgr.restore(state) or 0; save(start)`` with a local
+    tier: the new save of the restored step is copied over the durable copy of its run
+    (atomically: the new manifest numbered after the old one, the old one retired), and
+    another run's durable checkpoint of that step is still never replaced."""
+    local, durable = tiers
+    with safeckpt.CheckpointManager(durable, local=local) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.save(2, make_state(2))
+    with safeckpt.CheckpointManager(durable, local=local) as mgr:  # the job restarts
+        start = mgr.restore(template())
+        assert start == 2
+        mgr.save(start, make_state(1002))
+        mgr.wait()
+    folder = durable / step_folder(2)
+    assert [p.name for p in folder.iterdir() if p.name.startswith("manifest-")] == ["manifest-000002.json"]
+    assert_state(safeckpt.load_state(folder), 1002)
+    assert committed(durable) == [1, 2] and safeckpt.verify(folder).ok
+
+    # a job of another run, whose local tier holds its own step 2: refused, nothing replaced
+    with safeckpt.CheckpointManager(durable, local=tmp_path / "other") as other:
+        with pytest.warns(safeckpt.ReplicationWarning, match="another job wrote this durable root"):
+            other.save(2, make_state(2002))
+            with pytest.raises(safeckpt.SaveAbortedError, match="another job wrote this durable root"):
+                other.wait()
+    assert_state(safeckpt.load_state(folder), 1002)

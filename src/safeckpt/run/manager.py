@@ -102,7 +102,8 @@ class CheckpointManager:
         self.tiers = [self.storage] if self.local is None else [self.local, self.storage]
         self._replicator = None if self.local is None else Replicator(
             self.local, self.storage, lambda: [step_folder(s) for s in self._step_folders(self.storage)],
-            before_commit=self._check_lease, after=self._after_replication)
+            before_commit=self._check_lease, after=self._after_replication,
+            may_replace=lambda step: self._may_replace(step, self.storage))
         if local_replicas not in (0, 1):
             raise ValueError(f"local_replicas must be 0 or 1, not {local_replicas!r}")
         self.local_replicas = local_replicas
@@ -259,16 +260,19 @@ class CheckpointManager:
         self._after_save(info)
         return info
 
-    def _may_replace(self, step: int) -> Any:
-        """Which checkpoint of ``step`` a save may replace (atomically): one of this run
-        (a loop resumed at the step it restored saves it again), a torn one (this manager
-        holds the root's lease, so no other save is writing it) or one ``restore`` found
-        damaged; never another run's committed checkpoint, nor (refused with this error) one
-        the local tier holds for another durable root."""
+    def _may_replace(self, step: int, root: Storage | None = None) -> Callable[[Manifest | None], bool]:
+        """Which checkpoint of ``step`` a save into ``root`` (default: where saves commit)
+        may replace (atomically): one of this run (a loop resumed at the step it restored
+        saves it again; with a local tier, its copy in the durable root is replaced too), a
+        torn one (this manager holds the root's lease, so no other save is writing it) or
+        one ``restore`` found damaged; never another run's committed checkpoint, nor
+        (refused with this error) one the local tier holds for another durable root."""
+        root = root or self.save_root
+
         def may(old: Manifest | None) -> bool:
-            if old is not None and self._foreign(self.save_root, old):
+            if old is not None and self._foreign(root, old):
                 raise CheckpointExistsError(
-                    f"{self.save_root.child(step_folder(step)).url} holds a checkpoint of step {step} saved for "
+                    f"{root.child(step_folder(step)).url} holds a checkpoint of step {step} saved for "
                     f"another durable root ({old.durable_root or 'not named: an older safeckpt'}), which a save "
                     f"for {self.storage.url} never replaces: give each durable root its own local folder (local=)")
             return old is None or old.run_id == self.run_id or step in self._damaged

@@ -37,17 +37,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 from ..protocol.checkpoint import load_manifest
-from ..format.folder import committed_steps, read_committed, step_folders
+from ..format.folder import committed_steps, step_folders
 from ..format.checksum import checksum
-from ..protocol.commit import (DATA_RE, SaveRun, describe_error, read_existing, refuse_existing, retire_replaced,
-                     write_manifest)
+from ..protocol.commit import (DATA_RE, SaveRun, describe_error, read_existing, refuse_existing)
 from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, ReplicationWarning,
                       SaveAbortedError, SkippedCheckpointWarning, StorageError, warn)
 from ..protocol.group import TorchGroup, node_id, resolve
-from ..format.manifest import Manifest, decode_manifest, encode_manifest, manifest_name, manifest_seq
+from ..format.manifest import Manifest, decode_manifest, encode_manifest
 from ..format.names import step_folder
 from ..storage import Storage
-from .tiered import belongs, checked_parts, copy_file, file_checks, warn_foreign
+from .tiered import belongs, checked_parts, commit_copy, copy_file, file_checks, warn_foreign
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -435,7 +434,7 @@ class NodeTier:
             failed = {self.layout.nodes[self.layout.node_of[r]]: e for r, e in enumerate(problems) if e}
         durable = False
         try:
-            self._upload(folder, m)
+            self._upload(folder, m, data)
             durable = True
         finally:
             if self.is_leader and (durable or not failed):
@@ -480,7 +479,7 @@ class NodeTier:
         log.info("node %s: holds the replica of step %s from the node before", node_id(), m.step)
         return "; ".join(problems) or None
 
-    def _upload(self, folder: str, m: Manifest) -> None:
+    def _upload(self, folder: str, m: Manifest, data: bytes) -> None:
         """Every rank copies its own files; rank 0 commits the durable copy last."""
         g, src, dst = self.background, self.local.child(folder), self.manager.storage.child(folder)
         go = self._durable_plan(dst, m) if g.rank == 0 else None
@@ -506,7 +505,7 @@ class NodeTier:
                 if failed:
                     raise SaveAbortedError(f"uploading step {m.step} to {dst.url} failed on rank(s) "
                                            f"{sorted(failed)}: {failed}; no durable manifest written")
-                self._commit_durable(dst, m)
+                self._commit_durable(dst, m, data)
             except Exception as exc:  # noqa: BLE001 - every rank raises it
                 outcome = describe_error(exc)
         outcome = g.broadcast(outcome)
@@ -524,17 +523,9 @@ class NodeTier:
         except Exception as exc:  # noqa: BLE001
             return describe_error(exc)
 
-    def _commit_durable(self, dst: Storage, m: Manifest) -> None:
-        old, max_seq = read_existing(dst)
-        final = dataclasses.replace(m, seq=max(m.seq, max_seq + 1))
-        listing = dst.listdir()
-        dst.delete([n for n in listing if (manifest_seq(n) is not None and (old is None or
-                    n != manifest_name(old.seq))) or (DATA_RE.fullmatch(n) and n not in m.files
-                    and (old is None or n not in old.files))])
-        self.check_lease()
-        write_manifest(dst, final, "upload")
-        read_committed(dst)
-        retire_replaced(dst, old, final)
+    def _commit_durable(self, dst: Storage, m: Manifest, data: bytes) -> None:
+        old, _ = read_existing(dst)
+        final = commit_copy(dst, m, data, old, self.check_lease)
         log.info("step %s is durable in %s", m.step, dst.url)
         self.after_durable(final)
 

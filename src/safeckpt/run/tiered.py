@@ -1,26 +1,31 @@
 """Two tiers: commit on a fast local disk, then copy to the durable root in the background.
 
 A copy follows the rule every save follows: each data file first, durable on return,
-the manifest last and byte for byte, so the durable copy is committed exactly when it
-is complete and a crash at any point leaves at most garbage there. Incremental
-checkpoints name files of earlier checkpoints (``../step-.../data-...``); the copy
-brings along each such file the durable root does not already hold under a committed
-manifest. Only the newest waiting checkpoint is copied: a newer one supersedes older
-ones that have not started yet.
+the manifest last, so the durable copy is committed exactly when it is complete and a
+crash at any point leaves at most garbage there. A copy replaces the durable root's
+checkpoint of the same step only where the manager may replace it (one of its run: a
+loop resumed at the step it restored saves it again), atomically, as an overwrite does:
+its manifest gets the next sequence number there and the old one is retired after it.
+Incremental checkpoints name files of earlier checkpoints (``../step-.../data-...``);
+the copy brings along each such file the durable root does not already hold under a
+committed manifest. Only the newest waiting checkpoint is copied: a newer one
+supersedes older ones that have not started yet.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, Collection, Iterator, NamedTuple, Sequence
 
 from ..errors import ForeignRunWarning, ReplicationWarning, warn
 from ..format.checksum import RunningChecksum, matches
 from ..format.folder import FolderState, CheckpointState, read_committed
-from ..protocol.commit import DATA_RE
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError
+from ..protocol.commit import DATA_RE, read_existing, retire_replaced, write_manifest
+from ..errors import CheckpointError, CorruptCheckpointError, SaveAbortedError
 from ..format.manifest import Manifest, manifest_name, manifest_seq, root_path
+from ..format.names import step_of
 from ..storage import Storage
 
 log = logging.getLogger(__name__)
@@ -110,25 +115,26 @@ def committed_files(root: Storage, folders: list[str]) -> set[str]:
 
 
 def replicate(local: Storage, durable: Storage, folder: str, trusted: set[str],
-              before_commit: Callable[[], None] = lambda: None, to: str | None = None) -> Manifest:
+              before_commit: Callable[[], None] = lambda: None, to: str | None = None,
+              may_replace: Callable[[Manifest | None], bool] | None = None) -> Manifest:
     """Copy the committed checkpoint ``folder`` from ``local`` to ``durable`` (as folder
     ``to``, default the same name): data files first, the manifest last
     (``before_commit`` runs just before it: the writer lease check). ``trusted``
     (``folder/file`` of the files committed checkpoints in the durable root name) are
-    not copied again. Returns the manifest."""
+    not copied again. A different checkpoint committed there is replaced (``commit_copy``)
+    where ``may_replace(it)`` says so, and refused otherwise. Returns the manifest the
+    durable root holds afterwards."""
     src, dst = local.child(folder), durable.child(to or folder)
     m = read_committed(src)
-    there = dst.listdir()
-    try:
-        done = read_committed(dst, there)
-    except (CheckpointNotFoundError, CorruptCheckpointError):
-        done = None
-    if done is not None:
-        if done.save_id != m.save_id:
+    old, _ = read_existing(dst)
+    if old is not None:
+        if old.save_id == m.save_id:
+            return old
+        if may_replace is None or not may_replace(old):
             raise SaveAbortedError(
-                f"{dst.url} already holds a different checkpoint of step {m.step} (save {done.save_id}, "
-                f"local {m.save_id}): another job wrote this durable root; not replacing it")
-        return m
+                f"{dst.url} already holds a different checkpoint of step {m.step} (save {old.save_id} of run "
+                f"{old.run_id}, local {m.save_id} of run {m.run_id}): another job wrote this durable root; "
+                "not replacing it")
     checks = file_checks(m)
     for name, f in m.files.items():
         if root_path(folder, name) in trusted:
@@ -136,14 +142,32 @@ def replicate(local: Storage, durable: Storage, folder: str, trusted: set[str],
         (s_store, s_name), (d_store, d_name) = src.locate(name), dst.locate(name)
         d_store.delete([d_name])  # a leftover of an interrupted copy: no committed manifest names it
         copy_file(s_store, s_name, d_store, d_name, f.size, checks.get(name, ()), f.checksum)
-    name = manifest_name(m.seq)
-    stale = [n for n in there if manifest_seq(n) is not None
-             or (DATA_RE.fullmatch(n) and n not in m.files and f"{folder}/{n}" not in trusted)]
-    dst.delete(stale)  # torn manifests and data of an interrupted copy of another attempt
+    spare = {n for n in dst.listdir() if root_path(to or folder, n) in trusted}
+    return commit_copy(dst, m, src.read(manifest_name(m.seq)), old, before_commit, spare)
+
+
+def commit_copy(dst: Storage, m: Manifest, data: bytes, old: Manifest | None,
+                before_commit: Callable[[], None], spare: Collection[str] = ()) -> Manifest:
+    """Commit the copy of checkpoint ``m`` (its manifest's bytes: ``data``), whose files
+    are in ``dst`` now, replacing ``old`` (what ``dst`` holds committed, None if nothing)
+    atomically, as an overwrite does: torn manifests and data of interrupted copies go
+    first, the copy's manifest is written byte for byte (or, when its number is not
+    above ``old``'s, renumbered after it), and ``old`` with the data only it names is
+    retired after it. ``spare``: files there that committed checkpoints share. Returns the
+    manifest written."""
+    final = m if old is None or m.seq > old.seq else dataclasses.replace(m, seq=old.seq + 1)
+    keep = {*m.files, *(old.files if old is not None else ()), *spare}
+    old_name = None if old is None else manifest_name(old.seq)
+    dst.delete([n for n in dst.listdir() if (manifest_seq(n) is not None and n != old_name)
+                or (DATA_RE.fullmatch(n) and n not in keep)])
     before_commit()
-    dst.write_file(name, [src.read(name)])
+    if final is m:
+        dst.write_file(manifest_name(m.seq), [data])
+    else:
+        write_manifest(dst, final, "copy")
     read_committed(dst)  # the copy must be committed now, or this raises what is wrong
-    return m
+    retire_replaced(dst, old, final)
+    return final
 
 
 class Replicator:
@@ -156,15 +180,18 @@ class Replicator:
     thread is not a daemon, so a process that exits without ``close()`` still finishes
     the copy in progress. Errors are logged and warned at once (training goes on) and
     raised by ``wait()``/``close()``. ``after(manifest)`` runs after each copy (the
-    durable tier's retention)."""
+    durable tier's retention); ``may_replace(step)`` says which durable checkpoint of
+    that step a copy may replace (``replicate``)."""
 
     def __init__(self, local: Storage, durable: Storage, list_folders: Callable[[], list[str]], *,
-                 before_commit: Callable[[], None], after: Callable[[Manifest], None]) -> None:
+                 before_commit: Callable[[], None], after: Callable[[Manifest], None],
+                 may_replace: Callable[[int], Callable[[Manifest | None], bool]]) -> None:
         self.local = local
         self.durable = durable
         self.list_folders = list_folders
         self.before_commit = before_commit
         self.after = after
+        self.may_replace = may_replace  # step -> which durable checkpoint of it a copy may replace
         self._lock = threading.Condition()
         self._pending: str | None = None
         self._busy: str | None = None
@@ -210,8 +237,9 @@ class Replicator:
 
     def _copy(self, folder: str) -> None:
         # read afresh each time: the durable tier's retention may have deleted files since
+        step = step_of(folder)
         m = replicate(self.local, self.durable, folder, committed_files(self.durable, self.list_folders()),
-                      self.before_commit)
+                      self.before_commit, may_replace=None if step is None else self.may_replace(step))
         log.info("replicated step %s to %s", m.step, self.durable.child(folder).url)
         self.after(m)
 

@@ -120,3 +120,23 @@ def test_a_run_replaces_a_step_restore_found_damaged(tmp_path):
     resumed.save(200, _state(201))
     state = _state(0)
     assert safeckpt.CheckpointManager(tmp_path).restore(state) == 200 and state["step"] == 201
+
+
+@pytest.mark.parametrize("kind", ["plain", "async_save", "local"])
+def test_a_closed_manager_saves_restores_and_deletes_nothing(tmp_path, kind):
+    """After close() (or its with-block) every call that writes, deletes or restores is
+    refused with ManagerClosedError, a CheckpointError, and changes nothing; listing the
+    root still works."""
+    kwargs = {"plain": {}, "async_save": {"async_save": True}, "local": {"local": tmp_path / "local"}}[kind]
+    with safeckpt.CheckpointManager(tmp_path / "run", **kwargs) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    calls = {"save": lambda: mgr.save(3, _state(3)), "restore": lambda: mgr.restore(_state(0)),
+             "delete": lambda: mgr.delete(1), "gc": mgr.gc}
+    for name, call in calls.items():
+        with pytest.raises(safeckpt.ManagerClosedError, match="is closed") as err:
+            call()
+        assert isinstance(err.value, safeckpt.CheckpointError) and isinstance(err.value, RuntimeError), name
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert mgr.steps() == [1, 2]

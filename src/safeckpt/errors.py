@@ -75,6 +75,11 @@ class SaveAbortedError(CheckpointError, RuntimeError):
         self.errors = dict(errors or {})
 
 
+class ManagerClosedError(CheckpointError, RuntimeError):
+    """A ``CheckpointManager`` was used after ``close()`` (or its ``with`` block): it
+    saves, restores, retains, deletes and collects nothing more."""
+
+
 # --------------------------------------------------------------------------- warnings
 
 

@@ -25,8 +25,8 @@ from ..format.folder import retire
 from ..format.folder import FolderState, CheckpointState, step_folders, step_state
 from ..protocol.incremental import CHUNK_SIZE, MIN_CHUNK_SIZE
 from .tiered import Candidate, Replicator, belongs, tier_candidates, warn_foreign
-from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, StorageError,
-                      UnsupportedFormatError)
+from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, ManagerClosedError,
+                      StorageError, UnsupportedFormatError)
 from ..protocol.group import SingleGroup, TorchGroup, resolve
 from .lease import WriterLease
 from ..format.manifest import Manifest
@@ -354,6 +354,7 @@ class CheckpointManager:
         """Delete a checkpoint (from every tier): manifests first (durably), then the data
         no other checkpoint shares, then the folder. Shared data stays (the folder
         marked retired) until garbage collection finds nothing needs it."""
+        self._check_open()
         self._check_lease()
         self.wait()
         for root in self.tiers:
@@ -385,6 +386,7 @@ class CheckpointManager:
         was (or would be) removed (with a local tier, prefixed by each tier's URL)."""
         self.wait()  # a save in flight is not garbage
         if not dry_run:
+            self._check_open()
             self._check_lease()
         tiers = self.tiers if self._nodes is False or self.group.size == 1 else [self.storage]
         if len(tiers) == 1:  # a node's disk holds no manifest: gc is the node tier's retention
@@ -526,8 +528,12 @@ class CheckpointManager:
             signal.signal(signal.SIGTERM, _unwrap_closed(self._old_handler))
 
     def _check_open(self) -> None:
+        """Saves, restores and deletions of a closed manager are refused (its lease, saver
+        and copier are done); listing its root (``steps()``, ``path()``) still works."""
         if self._closed:
-            raise RuntimeError("this CheckpointManager is closed")
+            raise ManagerClosedError(
+                f"this CheckpointManager of {self.storage.url} is closed (close() ran, or its with-block "
+                "ended): it saves, restores and deletes nothing more; create a new one to continue")
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -8,8 +8,8 @@ always agree."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, SkippedCheckpointWarning, StorageError,
                       UnsupportedFormatError, warn)
@@ -21,42 +21,60 @@ from .names import DATA_RE, RETIRED as RETIRED_MARKER, is_shared, manifest_seq, 
 
 
 _RETIRED_WHY = "deleted by retention; holds data later checkpoints share"
+#: how many times a reader looks again at a checkpoint folder or run root that changed
+#: while it read it (a manifest or a step folder deleted between its listing and its read)
+LOOKS = 5
+
+
+class _LookAgain(Exception):
+    """A manifest vanished between the folder's listing and its read."""
+
+
+class _Vanished(CheckpointNotFoundError):
+    """The folder's manifests were deleted while it was read, or kept changing."""
 
 
 @dataclass(frozen=True)
 class FolderState:
-    """A folder's state, with its manifest when committed and the problem otherwise."""
+    """A folder's state, with its manifest when committed and the problem otherwise;
+    ``listing``: the folder's entries it was judged on."""
 
     state: CheckpointState
     manifest: Manifest | None = None
     problem: str = ""
+    listing: Mapping[str, int | None] = field(default_factory=dict, compare=False, repr=False)
 
 
 def folder_state(folder: Storage, listing: dict[str, int | None] | None = None) -> FolderState:
     """Judge one checkpoint folder (never raises for what it finds in it). One that
     cannot be listed or whose manifest cannot be read is ``UNREADABLE``, with a warning:
     callers go on with the other folders of a run root (an old step that lost its
-    permissions must not block the newer ones), and none takes it for absent."""
+    permissions must not block the newer ones), and none takes it for absent. One whose
+    manifests were deleted while it was read is ``RETIRED``: another process's retention
+    or ``delete()`` removed it, which makes it gone, never torn or corrupt."""
     try:
         if listing is None:
             listing = folder.listdir()
         return _judged(folder, listing)
     except StorageError as exc:
         warn(f"{folder.url} cannot be read and is passed over: {exc}", SkippedCheckpointWarning)
-        return FolderState(CheckpointState.UNREADABLE, problem=str(exc))
+        return FolderState(CheckpointState.UNREADABLE, problem=str(exc), listing=listing or {})
 
 
 def _judged(folder: Storage, listing: dict[str, int | None]) -> FolderState:
     try:
-        return FolderState(CheckpointState.COMMITTED, read_committed(folder, listing))
+        return FolderState(CheckpointState.COMMITTED, read_committed(folder, listing), listing=listing)
     except UnsupportedFormatError as exc:
-        return FolderState(CheckpointState.NEWER_FORMAT, problem=str(exc))
+        return FolderState(CheckpointState.NEWER_FORMAT, problem=str(exc), listing=listing)
+    except _Vanished as exc:
+        return FolderState(CheckpointState.RETIRED, problem=str(exc), listing=listing)
     except CheckpointNotFoundError as exc:
         if RETIRED_MARKER in listing:
-            return FolderState(CheckpointState.RETIRED, problem=_RETIRED_WHY)
-        return FolderState(CheckpointState.TORN if listing else CheckpointState.EMPTY, problem=str(exc))
+            return FolderState(CheckpointState.RETIRED, problem=_RETIRED_WHY, listing=listing)
+        return FolderState(CheckpointState.TORN if listing else CheckpointState.EMPTY, problem=str(exc),
+                           listing=listing)
     except CorruptCheckpointError as exc:
-        return FolderState(CheckpointState.CORRUPT, problem=str(exc))
+        return FolderState(CheckpointState.CORRUPT, problem=str(exc), listing=listing)
 
 
 def step_folders(root: Storage) -> list[int]:
@@ -78,13 +96,47 @@ def as_step(found: FolderState, url: str, step: int | None) -> FolderState:
     if step is not None and found.manifest is not None and found.manifest.step not in (None, step):
         return FolderState(CheckpointState.CORRUPT, problem=(
             f"{url} holds the checkpoint of step {found.manifest.step}, not of step {step} (copied or "
-            "renamed by hand?); it counts for nothing here"))
+            "renamed by hand?); it counts for nothing here"), listing=found.listing)
     return found
 
 
+def survey(root: Storage, *, want: Callable[[int], bool] | None = None,
+           counts: Callable[[Manifest], bool] | None = None, newest_only: bool = False
+           ) -> list[tuple[int, FolderState]]:
+    """(step, state) of a run root's step folders, newest first, as one look saw them.
+
+    A writer deletes a checkpoint only after committing a newer one, which a listing
+    taken before that commit does not show: so when a folder newer than the newest
+    committed one was found deleted (``RETIRED`` or ``EMPTY``: retention, ``delete()``),
+    the root is listed and read again, up to ``LOOKS`` times, and a reader never takes
+    a root that held a committed checkpoint at every moment for one that holds none.
+    A look that sees what the one before saw ends it: an empty folder a crash left is no
+    deletion in progress (one is, the newer commit it follows is seen the next time).
+    ``want``: only these steps; ``counts``: which committed manifests count (default
+    all); ``newest_only``: stop at the newest one that counts."""
+    rows: list[tuple[int, FolderState]] = []
+    for _ in range(LOOKS):
+        seen = [(step, f.state) for step, f in rows]
+        rows, again, found = [], False, False
+        for step in reversed(step_folders(root)):
+            if want is not None and not want(step):
+                continue
+            state = step_state(root, step)
+            rows.append((step, state))
+            if state.manifest is not None and (counts is None or counts(state.manifest)):
+                found = True
+                if newest_only:
+                    break
+            elif not found and state.state in (CheckpointState.RETIRED, CheckpointState.EMPTY):
+                again = True
+        if not again or [(step, state.state) for step, state in rows] == seen:
+            break
+    return rows
+
+
 def committed_steps(root: Storage) -> dict[int, Manifest]:
-    """Step -> manifest of every committed checkpoint of a run root (by ``step_state``)."""
-    return {s: m for s in step_folders(root) if (m := step_state(root, s).manifest) is not None}
+    """Step -> manifest of every committed checkpoint of a run root (by ``survey``), ascending."""
+    return {s: f.manifest for s, f in reversed(survey(root)) if f.manifest is not None}
 
 
 def manifest_seqs(listing: dict[str, int | None]) -> list[tuple[int, str]]:
@@ -124,11 +176,28 @@ def read_committed(storage: Storage, listing: dict[str, int | None] | None = Non
     Raises ``CheckpointNotFoundError`` when there is no manifest at all,
     ``UnsupportedFormatError`` when the newest is from a newer safeckpt (never falling
     back past it), and ``CorruptCheckpointError`` with every manifest's problem when
-    none is valid."""
-    if listing is None:
-        listing = storage.listdir()
+    none is valid. A manifest that vanishes between the listing and its read (another
+    process replaced or deleted the checkpoint meanwhile) makes it list the folder again
+    and pick the winner afresh, up to ``LOOKS`` times: a file merely seen deleted is
+    never reported as an error of its own."""
+    for look in range(LOOKS):
+        if listing is None:
+            listing = storage.listdir()
+        try:
+            return _winner(storage, listing, vanished=look > 0)
+        except _LookAgain:
+            listing = None
+    raise _Vanished(f"no checkpoint at {storage.url}: its manifests changed {LOOKS} times while they were read "
+                    "(another process keeps replacing or deleting it); read it again once that is done")
+
+
+def _winner(storage: Storage, listing: dict[str, int | None], vanished: bool) -> Manifest:
+    """``read_committed`` of one listing; ``vanished``: a manifest of an earlier one did."""
     seqs = manifest_seqs(listing)
     if not seqs:
+        if vanished:
+            raise _Vanished(f"no checkpoint at {storage.url}: it was deleted while being read (by retention, "
+                            "delete() or garbage collection)")
         what = _nothing_listed(storage) if not listing else \
             "it has no manifest (a save that never committed, or not a safeckpt checkpoint)"
         raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: {what}")
@@ -142,7 +211,11 @@ def read_committed(storage: Storage, listing: dict[str, int | None] | None = Non
             _check_files(storage, m, listing, where)
         except UnsupportedFormatError:
             raise
+        except FileNotFoundError as exc:
+            raise _LookAgain from exc  # deleted since the listing
         except CorruptCheckpointError as exc:
+            if name not in storage.listdir():
+                raise _LookAgain from exc  # deleted since the listing, and its files after it
             problems.append(str(exc))
             continue
         if problems:

@@ -29,7 +29,7 @@ from ..format.plan import overlap
 from .exchange import share_mode, share_reads
 from .reader import ReadWork, TensorReader, chunks_needed, read_box
 from .state import FlatState, LoadPlanner, flatten
-from ..format.folder import read_committed
+from ..format.folder import LOOKS, read_committed
 from ..storage import Storage
 from ..storage import open as open_storage
 
@@ -275,8 +275,27 @@ def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = Tru
     share = share_mode(share_reads)
     group = resolve(process_group)
     storage = open_storage(path, **(storage_options or {}))
-    load_manifest(state, storage, committed_for_group(storage, group), group, strict=strict, verify=verify,
-                  allow_pickle=allow_pickle, keys=keys, started=started, share=share)
+    manifest, look = committed_for_group(storage, group), 1
+    while True:
+        try:
+            load_manifest(state, storage, manifest, group, strict=strict, verify=verify,
+                          allow_pickle=allow_pickle, keys=keys, started=started, share=share)
+            return
+        except CheckpointError:  # every rank raises one together (or none does)
+            newer = replaced(storage, group, manifest) if look < LOOKS else None
+            if newer is None:
+                raise
+            manifest, look = newer, look + 1
+
+
+def replaced(storage: Storage, group: Any, m: Manifest) -> Manifest | None:
+    """The folder's winning manifest, if it is no longer ``m``: another process replaced
+    the checkpoint while it was read (``save(overwrite=True)`` retires the old version's
+    files after committing), so a reader looks again instead of reporting files it saw
+    deleted. None when ``m`` still wins; raises ``CheckpointNotFoundError`` when the
+    checkpoint was deleted meanwhile. Every rank of ``group`` calls it and gets one answer."""
+    now = committed_for_group(storage, group)
+    return None if (now.seq, now.save_id) == (m.seq, m.save_id) else now
 
 
 def load_manifest(state: dict, storage: Storage, manifest: Manifest, group: Any, *, strict: bool = True,
@@ -354,7 +373,21 @@ def load_state(path: PathLike, *, verify: bool = True, storage_options: dict | N
     values come back as a list indexed by rank); ``keys``: only those top-level keys."""
     started = time.perf_counter()
     storage = open_storage(path, **(storage_options or {}))
-    manifest = read_committed(storage)
+    group = resolve(None)
+    manifest, look = read_committed(storage), 1
+    while True:
+        try:
+            return _new_state(storage, manifest, verify, allow_pickle, keys, started)
+        except CorruptCheckpointError:  # a data file missing: deleted by an overwrite meanwhile?
+            newer = replaced(storage, group, manifest) if look < LOOKS else None
+            if newer is None:
+                raise
+            manifest, look = newer, look + 1
+
+
+def _new_state(storage: Storage, manifest: Manifest, verify: bool, allow_pickle: bool, keys: "list | None",
+               started: float) -> dict:
+    """``load_state`` of one manifest."""
     planner = LoadPlanner(manifest.tensors, True, allow_pickle)
     tree = manifest.tree if keys is None else _only(manifest.tree, list(keys), storage.url)
     build = planner.plan(None, tree)
@@ -377,10 +410,21 @@ def verify(path: PathLike, *, storage_options: dict | None = None) -> VerifyRepo
     """Read every byte of a checkpoint and check every checksum; problems are collected,
     not raised. Raises ``CheckpointNotFoundError`` if there is nothing at ``path``."""
     storage = open_storage(path, **(storage_options or {}))
+    group = resolve(None)
     try:
-        manifest = read_committed(storage)
+        manifest, look = read_committed(storage), 1
+        while True:
+            report = _verified(storage, manifest)
+            newer = replaced(storage, group, manifest) if not report.ok and look < LOOKS else None
+            if newer is None:
+                return report
+            manifest, look = newer, look + 1  # replaced while it was read: verify what wins now
     except CorruptCheckpointError as exc:
         return VerifyReport(storage.url, [str(exc)])
+
+
+def _verified(storage: Storage, manifest: Manifest) -> VerifyReport:
+    """``verify`` of one manifest."""
     report = VerifyReport(storage.url, [])
     reader = TensorReader(storage, manifest, verify=True)
     for name, f in manifest.files.items():

@@ -83,7 +83,10 @@ class CheckedFiles:
         f = self.manifest.files[name]
         where = f"{self.storage.url}/{name}"
         if f.header_size is None:  # a sealed file written by another tool
-            ok = f.checksum is None or file_checksum(*self.storage.locate(name), f.size) == f.checksum
+            try:
+                ok = f.checksum is None or file_checksum(*self.storage.locate(name), f.size) == f.checksum
+            except (EOFError, FileNotFoundError) as exc:
+                return [f"{where}: {exc} (the file is truncated or missing)"]
             return [] if ok else [f"{where}: fails its checksum (altered or damaged)"]
         prefix = self.read_bytes(name, 0, min(8, f.size))
         claimed = read_header_length(prefix) if len(prefix) == 8 else None

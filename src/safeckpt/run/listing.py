@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..format.folder import CheckpointState, as_step, folder_state, step_folders
+from ..format.folder import CheckpointState, FolderState, as_step, folder_state, survey
 from ..format.names import step_folder
 from ..errors import StorageError
 from ..storage import Storage
@@ -40,19 +40,20 @@ class CheckpointStatus:
         return self.state is CheckpointState.COMMITTED
 
 
-def checkpoint_status(folder: Storage, step: int | None = None) -> CheckpointStatus:
-    """The status of one checkpoint folder (``step`` as its folder name says, if known)."""
-    try:
-        listing: dict[str, int | None] | None = folder.listdir()
-    except StorageError:
-        listing = None  # folder_state tries once more and reports the folder unreadable
-    found = as_step(folder_state(folder, listing), folder.url, step)
+def checkpoint_status(folder: Storage, step: int | None = None, found: FolderState | None = None
+                      ) -> CheckpointStatus:
+    """The status of one checkpoint folder (``step`` as its folder name says, if known;
+    ``found``: its state, when already judged)."""
+    if found is None:
+        try:
+            listing: dict[str, int | None] | None = folder.listdir()
+        except StorageError:
+            listing = None  # folder_state tries once more and reports the folder unreadable
+        found = as_step(folder_state(folder, listing), folder.url, step)
     m = found.manifest
     if m is None:
-        listing = listing or {}
-        return CheckpointStatus(folder.url, step, found.state, found.problem,
-                                bytes=sum(s for s in listing.values() if s is not None),
-                                file_count=sum(1 for s in listing.values() if s is not None))
+        sizes = [s for s in found.listing.values() if s is not None]
+        return CheckpointStatus(folder.url, step, found.state, found.problem, bytes=sum(sizes), file_count=len(sizes))
     return CheckpointStatus(folder.url, m.step if step is None else step, found.state, bytes=m.total_bytes,
                             shared_bytes=m.shared_bytes(), file_count=len(m.files), tensor_count=len(m.tensors),
                             created=m.created, world_size=m.world_size, save_id=m.save_id,
@@ -64,6 +65,10 @@ def list_checkpoints(root: "str | os.PathLike[str] | Storage", *,
     """Every step folder of a run root (``step-NNNNNNNNN``, docs/format.md §2.4), oldest
     first, with its status; a folder that cannot be read is a row in state
     ``UNREADABLE`` (a root that cannot be listed raises ``StorageError``). Reads only
-    (manifests and listings); nothing is written or repaired."""
+    (manifests and listings); nothing is written or repaired. A manager may save and
+    retire checkpoints meanwhile: a folder deleted while it was read is ``RETIRED`` (or
+    ``EMPTY``, or not listed), and the root is looked at again while that hides its
+    newest committed checkpoint (``format.folder.survey``)."""
     storage = open_storage(root, **(storage_options or {}))
-    return [checkpoint_status(storage.child(step_folder(step)), step) for step in step_folders(storage)]
+    return [checkpoint_status(storage.child(step_folder(step)), step, found)
+            for step, found in reversed(survey(storage))]

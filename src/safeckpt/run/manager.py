@@ -22,7 +22,7 @@ from .asyncsave import AsyncSaver, SaveFuture, background_group
 from ..protocol.checkpoint import CheckpointInfo, load, log_save, save_request
 from ..protocol.exchange import share_mode
 from ..format.folder import retire
-from ..format.folder import FolderState, CheckpointState, step_folders, step_state
+from ..format.folder import LOOKS, FolderState, CheckpointState, step_folders, step_state, survey
 from ..protocol.incremental import CHUNK_SIZE, MIN_CHUNK_SIZE
 from .tiered import Candidate, Replicator, belongs, tier_candidates, warn_foreign
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, ManagerClosedError,
@@ -169,14 +169,21 @@ class CheckpointManager:
     def _read(self, step: int, root: Storage | None = None) -> FolderState:
         return step_state(root or self.save_root, step)
 
+    def _survey(self, root: Storage, step: int | None = None, newest_only: bool = False
+                ) -> list[tuple[int, FolderState]]:
+        """``folder.survey`` of a tier (only ``step``, if given), newest first: checkpoints
+        another process (or this one's background retention) deletes meanwhile never make
+        a tier that always held one look empty; only this job's checkpoints count."""
+        return survey(root, want=None if step is None else (lambda s: s == step), newest_only=newest_only,
+                      counts=lambda m: not self._foreign(root, m))
+
     def _committed(self, root: Storage | None = None, complete: bool = False) -> dict[int, Manifest]:
-        """Step -> manifest of the committed steps of this job's durable root; ``complete``:
-        raise ``StorageError`` if a step folder cannot be read (retention must know every
-        checkpoint that may share the data it deletes, and its metrics)."""
+        """Step -> manifest of the committed steps of this job's durable root, ascending;
+        ``complete``: raise ``StorageError`` if a step folder cannot be read (retention
+        must know every checkpoint that may share the data it deletes, and its metrics)."""
         root = root or self.save_root
         out: dict[int, Manifest] = {}
-        for step in self._step_folders(root):
-            found = self._read(step, root)
+        for step, found in reversed(self._survey(root)):
             if complete and found.state is CheckpointState.UNREADABLE:
                 raise StorageError(f"retention stopped: {found.problem}")
             if found.manifest is not None and not self._foreign(root, found.manifest):
@@ -193,16 +200,20 @@ class CheckpointManager:
         m = self._read(step, root).manifest
         return m is not None and not self._foreign(root, m)
 
+    @_one_call_at_a_time
     def steps(self) -> list[int]:
         """Steps with a committed checkpoint (valid manifest) in any tier, ascending."""
         return self._on_rank0(lambda: sorted(set().union(*(self._committed(t) for t in self.tiers))))
 
+    @_one_call_at_a_time
     def latest_step(self) -> int | None:
         """The newest committed step in any tier, or None."""
         def newest(root: Storage) -> int | None:
-            return next((s for s in reversed(self._step_folders(root)) if self._holds(s, root)), None)
+            return next((s for s, f in self._survey(root, newest_only=True)
+                         if f.manifest is not None and not self._foreign(root, f.manifest)), None)
         return self._on_rank0(lambda: max((s for t in self.tiers if (s := newest(t)) is not None), default=None))
 
+    @_one_call_at_a_time
     def path(self, step: int) -> str:
         """Where the checkpoint of ``step`` lives (the local tier's copy when it has one)."""
         def where() -> str:
@@ -365,13 +376,14 @@ class CheckpointManager:
         name = step_folder(step)
         folder = root.child(name)
         shared = garbage.shared_files({s: m for s, m in committed.items() if s != step}).get(name, set())
-        if shared:
-            try:  # before the manifest goes: a crash leaves a marked folder, never an unknown one
-                folder.write_file(RETIRED, [b"retired by safeckpt; holds data later checkpoints share\n"])
-            except FileExistsError:
-                pass
+        try:  # before the manifests go: while it is deleted (or after a crash) the folder reads as
+            # retired, never as a torn save, to readers in other processes and to gc
+            folder.write_file(RETIRED, [b"retired by safeckpt: deleted, or holding data later checkpoints share\n"])
+        except FileExistsError:
+            pass
         retire(folder, keep=None, spare=shared)
         if not shared:
+            folder.delete([RETIRED])  # last of its files: the folder stays marked until then
             _remove_empty_folders(folder)
             folder.remove_folder()
         log.info("deleted checkpoint of step %d from %s%s", step, root.url,
@@ -412,44 +424,58 @@ class CheckpointManager:
         self.wait()
         if nodes := self._node_tier():
             return nodes.restore(state, step, strict)
+        look = 1
+        while True:
+            try:
+                return self._restore_newest(state, step, strict, share_reads, look_again=look < LOOKS)
+            except _Changed:  # a checkpoint it tried was deleted or replaced while it loaded
+                look += 1
+
+    def _restore_newest(self, state: dict, step: int | None, strict: bool, share_reads: "str | bool | None",
+                        look_again: bool) -> int | None:
+        """``restore`` from one look at the tiers; raises ``_Changed`` (when ``look_again``)
+        if a checkpoint failed to load because another process deleted or replaced it
+        meanwhile (a reader racing a writer's retention): the tiers are then looked at again."""
         where = " and ".join(t.url for t in self.tiers)
         candidates = self._on_rank0(lambda: self._candidates(step))
         skipped: list[str] = []
         failed = False
         newest_seen: set[int] = set()
-        for candidate, tier, status, run_id, problem in candidates:
-            root = self.tiers[tier]
-            first_of_tier = tier not in newest_seen
-            newest_seen.add(tier)
-            if status is CheckpointState.NEWER_FORMAT:  # resuming from an older step instead would lose work
-                raise UnsupportedFormatError(problem)
-            if status is CheckpointState.RETIRED:
+        for c in candidates:
+            root = self.tiers[c.tier]
+            first_of_tier = c.tier not in newest_seen
+            newest_seen.add(c.tier)
+            if c.state is CheckpointState.NEWER_FORMAT:  # resuming from an older step instead would lose work
+                raise UnsupportedFormatError(c.problem)
+            if c.state is CheckpointState.RETIRED:
                 continue
-            if status is not CheckpointState.COMMITTED:
+            if c.state is not CheckpointState.COMMITTED:
                 # a crash can leave only the newest save torn; older damage is corruption, and
                 # an unreadable folder may hold a commit: nothing loading is then an error
-                failed = failed or status is CheckpointState.UNREADABLE or (
-                    status is CheckpointState.CORRUPT and (not first_of_tier or step is not None))
-                why = "unreadable" if status is CheckpointState.UNREADABLE else "not committed"
-                skipped.append(f"step {candidate} in {root.url}: {why} ({problem})")
-                self._damaged.add(candidate)
+                failed = failed or c.state is CheckpointState.UNREADABLE or (
+                    c.state is CheckpointState.CORRUPT and (not first_of_tier or step is not None))
+                why = "unreadable" if c.state is CheckpointState.UNREADABLE else "not committed"
+                skipped.append(f"step {c.step} in {root.url}: {why} ({c.problem})")
+                self._damaged.add(c.step)
                 continue
             try:
-                self._load(state, root, candidate, strict, share_reads)
+                self._load(state, root, c.step, strict, share_reads)
             except (CheckpointNotFoundError, CorruptCheckpointError, StorageError) as exc:
-                skipped.append(f"step {candidate} in {root.url}: {exc}")
-                self._damaged.add(candidate)
+                if look_again and self._on_rank0(lambda: self._replaced(root, c)):
+                    raise _Changed from exc
+                skipped.append(f"step {c.step} in {root.url}: {exc}")
+                self._damaged.add(c.step)
                 failed = True
                 continue
             if skipped:
-                warn(f"restored step {candidate} from {root.url}; skipped:\n  " + "\n  ".join(skipped),
+                warn(f"restored step {c.step} from {root.url}; skipped:\n  " + "\n  ".join(skipped),
                      SkippedCheckpointWarning)
-            log.info("restored step %d from %s", candidate, root.url)
-            self.run_id = run_id or self.run_id
-            if tier == 0 and self._replicator is not None and self.group.rank == 0 \
-                    and self._read(candidate, self.storage).state is not CheckpointState.COMMITTED:
-                self._replicator.submit(step_folder(candidate))  # a copy the last job did not finish
-            return candidate
+            log.info("restored step %d from %s", c.step, root.url)
+            self.run_id = c.run_id or self.run_id
+            if c.tier == 0 and self._replicator is not None and self.group.rank == 0 \
+                    and self._read(c.step, self.storage).state is not CheckpointState.COMMITTED:
+                self._replicator.submit(step_folder(c.step))  # a copy the last job did not finish
+            return c.step
         if failed:
             raise CorruptCheckpointError(
                 f"no checkpoint {'' if step is None else f'of step {step} '}in {where} could be restored:\n  "
@@ -462,10 +488,14 @@ class CheckpointManager:
                  SkippedCheckpointWarning)
         return None
 
+    def _replaced(self, root: Storage, c: Candidate) -> bool:
+        """Rank 0: whether the checkpoint ``c`` is no longer the one its folder holds."""
+        m = self._read(c.step, root).manifest
+        return m is None or m.save_id != c.save_id
+
     def _candidates(self, step: int | None) -> list[Candidate]:
         """Rank 0: the step folders to try, in order."""
-        listings = [[(s, self._read(s, root)) for s in self._step_folders(root) if step in (None, s)]
-                    for root in self.tiers]
+        listings = [list(reversed(self._survey(root, step))) for root in self.tiers]
         foreign = [(root.child(step_folder(s)).url, f.manifest) for root, listing in zip(self.tiers, listings)
                    for s, f in listing if f.manifest is not None and self._foreign(root, f.manifest)]
         if foreign:
@@ -540,6 +570,10 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Changed(Exception):
+    """A checkpoint ``restore`` tried was deleted or replaced while it loaded."""
 
 
 def _now() -> float:

@@ -257,13 +257,14 @@ class Replicator:
 
 
 class Candidate(NamedTuple):
-    """A step folder a restore may try: its tier, state, and run id or problem."""
+    """A step folder a restore may try: its tier, state, and run id and save id or problem."""
 
     step: int
     tier: int
     state: CheckpointState
     run_id: str | None
     problem: str
+    save_id: str | None = None
 
 
 def tier_candidates(listings: list[list[tuple[int, FolderState]]], names: list[str]
@@ -287,5 +288,6 @@ def tier_candidates(listings: list[list[tuple[int, FolderState]]], names: list[s
                 notes.append(f"step {step} in {names[tier]} (save {m.save_id}) is passed over: the "
                              f"later save {newest[step].save_id} of the same step is in another tier")
                 continue
-            rows.append(Candidate(step, tier, found.state, m.run_id if m else None, found.problem))
+            rows.append(Candidate(step, tier, found.state, m.run_id if m else None, found.problem,
+                                  m.save_id if m else None))
     return sorted(rows, key=lambda r: (-r.step, r.tier)), notes

@@ -365,10 +365,13 @@ class LocalStorage(Storage):
         try:
             with self.fs.scandir(self.path) as it:
                 for e in it:
-                    if e.is_dir(follow_symlinks=follow):
-                        out[e.name] = None
-                    elif e.is_file(follow_symlinks=follow):  # FIFOs, sockets, devices: left out
-                        out[e.name] = e.stat(follow_symlinks=follow).st_size
+                    try:
+                        if e.is_dir(follow_symlinks=follow):
+                            out[e.name] = None
+                        elif e.is_file(follow_symlinks=follow):  # FIFOs, sockets, devices: left out
+                            out[e.name] = e.stat(follow_symlinks=follow).st_size
+                    except FileNotFoundError:
+                        continue  # deleted while listed (retention, an overwrite): not there
             return out
         except (FileNotFoundError, NotADirectoryError):
             return {}

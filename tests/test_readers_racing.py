@@ -171,3 +171,24 @@ def test_a_checkpoint_deleted_while_it_is_loaded_is_a_typed_error(replaced, monk
     with at_first(monkeypatch, "read_into", ckpt, gone) as fired, pytest.raises(safeckpt.CheckpointError):
         safeckpt.load_state(path)
     assert fired
+
+
+def test_a_manifest_shorter_than_its_listing_is_read_again(replaced, monkeypatch):
+    """Seen in two writers overwriting one path while a reader reads it (attack repro 09):
+    the manifest read is shorter than the listing said (another file under its name by
+    then). The reader lists the folder again and reads what is committed: never a plain
+    EOFError. Injected: version 2 commits and version 1's manifest is cut short between
+    the listing and the read."""
+    path, overwrite = replaced
+
+    def cut_short() -> None:
+        overwrite()
+        (Path(path) / "manifest-000001.json").write_bytes(b"{")  # under the old name: a shorter file
+
+    ckpt = lambda s, a: s.path == path and a[0] == "manifest-000001.json"  # noqa: E731
+    with at_first(monkeypatch, "read_into", ckpt, cut_short) as fired:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the stray "{" is a torn manifest below the committed one
+            got = safeckpt.load_state(path)
+    assert fired and got["w"][0].item() == 2.0

@@ -211,8 +211,8 @@ def _winner(storage: Storage, listing: dict[str, int | None], vanished: bool) ->
             _check_files(storage, m, listing, where)
         except UnsupportedFormatError:
             raise
-        except FileNotFoundError as exc:
-            raise _LookAgain from exc  # deleted since the listing
+        except (FileNotFoundError, EOFError) as exc:
+            raise _LookAgain from exc  # deleted, or another file under its name, since the listing
         except CorruptCheckpointError as exc:
             if name not in storage.listdir():
                 raise _LookAgain from exc  # deleted since the listing, and its files after it

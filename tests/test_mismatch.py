@@ -431,3 +431,17 @@ def test_objects_loaded_early_are_put_back_when_the_tensors_turn_out_corrupt(tmp
     with pytest.raises(safeckpt.CorruptCheckpointError):
         safeckpt.load({"model": model2, "sched": sched2}, tmp_path / "ck")
     assert sched2.last_epoch == 0 and sched2.get_last_lr() == [0.1]
+
+
+def test_keys_given_as_one_str_is_that_key_not_its_characters(ckpt):
+    """``keys="model"`` (finding d) loads the key ``model``; before, its characters were
+    taken as five keys the checkpoint lacks."""
+    safeckpt.save({"model": {"w": torch.arange(3.0)}, "mo": 1, "step": 7}, ckpt)
+    got = safeckpt.load_state(ckpt, keys="model")
+    assert list(got) == ["model"] and torch.equal(got["model"]["w"], torch.arange(3.0))
+    target = {"model": {"w": torch.zeros(3)}}
+    safeckpt.load(target, ckpt, keys="model")
+    assert torch.equal(target["model"]["w"], torch.arange(3.0))
+    assert list(safeckpt.load_state(ckpt, keys=("mo", "step"))) == ["mo", "step"]  # any iterable of keys
+    with pytest.raises(safeckpt.StateMismatchError, match=r"holds no \['nope'\]"):
+        safeckpt.load_state(ckpt, keys="nope")

@@ -205,7 +205,6 @@ def background_group(process_group: Any) -> Any:
     return resolve(process_group, purpose="background")
 
 
-@atexit.register
 def _finish_at_exit() -> None:
     """Commit in-flight saves before the interpreter exits, and never drop an error."""
     for saver in list(_live):
@@ -214,3 +213,18 @@ def _finish_at_exit() -> None:
         except BaseException as exc:  # noqa: BLE001 - reported, the process is ending
             print(f"safeckpt: an async save failed and nobody saw its error: {exc}", file=sys.stderr)
             log.error("an async save failed and nobody saw its error: %s", exc)
+
+
+def _register_exit_hook() -> None:
+    """Run ``_finish_at_exit`` before ``concurrent.futures`` refuses new work at exit. The
+    interpreter first calls threading's exit hooks, newest first (concurrent.futures's
+    one sets its "shutdown" flag there), then joins the threads, then runs ``atexit``: a
+    save still writing when the script ends needs thread pools, so it must be finished
+    among threading's hooks, after concurrent.futures's was registered (imported here)."""
+    import concurrent.futures.thread  # noqa: F401 - registers its exit hook now, before ours
+
+    register = getattr(threading, "_register_atexit", None)  # CPython >= 3.9
+    (register or atexit.register)(_finish_at_exit)
+
+
+_register_exit_hook()

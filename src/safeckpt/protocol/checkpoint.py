@@ -297,6 +297,7 @@ def load_manifest(state: dict, storage: Storage, manifest: Manifest, group: Any,
     try:
         tree = manifest.tree if keys is None else _only(manifest.tree, keys, storage.url)
         build = planner.plan(state, tree)
+        planner.refuse_shared_memory(manifest.tie_of)
         if planner.problems and strict:
             listing = "\n  ".join(planner.problems)
             raise planner.error(

@@ -231,6 +231,26 @@ def test_a_value_in_a_form_the_format_forbids_is_a_corrupt_checkpoint(tmp_path, 
     assert not report.ok and f"{key!r}" in report.problems[0]
 
 
+class _Token:
+    """Compared by identity: two of them with the same state pickle alike but are two keys."""
+
+    def __hash__(self) -> int:
+        return 1
+
+
+def test_keys_that_look_alike_but_are_two_keys_save_and_load(tmp_path):
+    """The other side of refusing two equal keys: keys Python keeps apart whose encoded
+    forms are the same (two NaNs, which equal nothing; two pickles of objects compared by
+    identity) are saved, load back as two keys, and verify."""
+    nan = float("nan")
+    state = {"d": {nan: 1, float("nan"): 2}, "s": {nan, float("nan")}, "t": {(1, nan): 1, (1, float("nan")): 2},
+             "c": {complex(nan, 0): 1, complex(nan, 0): 2}, "p": {_Token(): 1, _Token(): 2}}
+    safeckpt.save(state, tmp_path / "ck", allow_pickle=True)
+    loaded = safeckpt.load_state(tmp_path / "ck", allow_pickle=True)
+    assert {k: len(v) for k, v in loaded.items()} == {k: 2 for k in state}
+    assert safeckpt.verify(tmp_path / "ck").ok
+
+
 _FORMAT_1_ONLY = ("shape", "dtype", "chunk", "tensors")  # cases that edit format 1's per-tensor entries
 
 

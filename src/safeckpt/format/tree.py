@@ -34,7 +34,7 @@ def unb64(text: str) -> bytes:
 
 SAFE_INT = 2**53  #: ints of at least this size are ``$int``, smaller ones JSON integers
 _INT_FORMS = re.compile(r"-?(0x[1-9a-f][0-9a-f]*|[1-9][0-9]*)")  # hex(v), or decimal (older writers)
-_NON_FINITE = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")}
+_NON_FINITE = ("inf", "-inf", "nan")  # $float's arguments; each decodes to a new float (two NaN keys stay two)
 
 
 def _decode_int(arg: Any) -> int:
@@ -51,7 +51,7 @@ def _decode_float(part: Any) -> float:
     if type(part) is float and math.isfinite(part):
         return part
     if type(part) is dict and list(part) == ["$float"] and part["$float"] in _NON_FINITE:
-        return _NON_FINITE[part["$float"]]
+        return float(part["$float"])
     raise ValueError(f"{part!r} is not a finite JSON float or a $float")
 
 
@@ -119,7 +119,7 @@ def decode_leaf(node: JSON, key: str, allow_pickle: bool) -> Any:
         if tag == "$float":
             if type(arg) is not str or arg not in _NON_FINITE:
                 raise ValueError(f"{arg!r} is not 'inf', '-inf' or 'nan'")
-            return _NON_FINITE[arg]
+            return float(arg)
         if tag == "$complex":
             if type(arg) is not list or len(arg) != 2:
                 raise ValueError("the argument is not [real, imag]")
@@ -278,8 +278,8 @@ def _distinct(nodes: list, tag: str, key: str, pickled: bool, bad: Callable[[str
 
 @dataclass(frozen=True)
 class _Opaque:
-    """A key compared by its encoding (a dtype, device or pickle: decoding it needs torch or
-    the loader's opt-in); equal to no decoded value."""
+    """A dtype or device key, compared by its encoding (one per value; decoding it needs
+    torch); equal to no decoded value."""
 
     tag: str
     arg: str
@@ -288,7 +288,9 @@ class _Opaque:
 def _check_key(node: JSON, key: str, pickled: bool, bad: Callable[[str, str], CheckpointError],
                depth: int = 0) -> Any:
     """A dict key or set member: a hashable leaf, or a ``$tuple`` of them; returns the
-    value it decodes to (``_Opaque`` for one decoded only on load)."""
+    value it decodes to, as far as it can be known without torch or unpickling
+    (``_Opaque``; a new ``object()`` for a ``$pickle``, whose equality only the objects
+    it unpickles to know: two equal pickles of objects compared by identity are two keys)."""
     tag = tag_of(node)
     if tag == "$tuple" and isinstance(node[tag], list) and depth < MAX_DEPTH:
         return tuple(_check_key(member, key, pickled, bad, depth + 1) for member in node[tag])
@@ -298,7 +300,9 @@ def _check_key(node: JSON, key: str, pickled: bool, bad: Callable[[str, str], Ch
     if not isinstance(node, dict):
         return node
     ((name, arg),) = node.items()
-    return _Opaque(name, arg) if name in ("$dtype", "$device", "$pickle") else decode_leaf(node, key, False)
+    if name == "$pickle":
+        return object()
+    return _Opaque(name, arg) if name in ("$dtype", "$device") else decode_leaf(node, key, False)
 
 
 def _number_problem(node: JSON) -> str | None:

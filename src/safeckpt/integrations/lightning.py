@@ -96,7 +96,7 @@ from ..protocol.state import is_stateful
 from ..run.asyncsave import AsyncSaver
 from ..run.garbage import garbage_in
 from ..storage import LocalStorage, Storage, is_remote
-from ..storage.base import is_replace_temp
+from ..format.names import is_replace_temp
 from ..storage import open as open_storage
 
 __all__ = ["SafeCheckpointIO", "SafeModelParallelStrategy", "SafeFSDPStrategy", "load_from_checkpoint",

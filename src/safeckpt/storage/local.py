@@ -42,7 +42,8 @@ from types import TracebackType
 from typing import Any, Iterable, Protocol
 
 from ..errors import CorruptCheckpointError
-from .base import Buffer, Replacement, Storage, is_replace_temp, replace_temp_name, storage_error
+from .base import Buffer, Replacement, Storage, storage_error
+from ..format.names import is_replace_temp, replace_temp_name
 from .mounts import warn_if_fsync_is_weak
 
 _NO_DIR_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES, errno.EPERM, errno.EISDIR}

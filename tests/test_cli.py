@@ -768,3 +768,19 @@ def test_a_missing_fsspec_package_is_named_for_its_scheme():
     for line, hint in zip(lines, wanted):
         assert hint in line, (hint, line)
     assert "safeckpt[s3]" not in "".join(lines[:3])
+
+
+def test_show_of_a_checkpoint_holding_an_int_over_4300_digits(tmp_path, capsys):
+    """Python writes no int of more than 4300 decimal digits as text; ``show`` of a
+    checkpoint holding one as a value, a dict key and in its metadata writes it in hex
+    (and ``--json`` as a hex string) instead of failing."""
+    from safeckpt.cli import main
+
+    big = 2 ** 20000 + 1
+    safeckpt.save({"n": big, "k": {big: 1}, "t": torch.ones(1)}, tmp_path / "ckpt", metadata={"n": big})
+    assert main(["show", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert hex(big)[:40] in out and f"k.{hex(big)[:40]}" in out, out
+    assert main(["show", "--json", str(tmp_path / "ckpt")]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert hex(big) in json.dumps(shown), shown

@@ -18,6 +18,7 @@ import click
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsafeObjectError
 from ..format.states import CheckpointState
 from ..format.names import manifest_seq, step_of
+from ..format.text import too_long, value_repr
 from ..format.tree import decode_value
 from ..storage import Storage, StorageWrapper
 from ..storage import open as open_storage
@@ -280,13 +281,16 @@ def compact(value: Any, limit: int = 80) -> str:
     elif isinstance(value, dict) and all(isinstance(k, str) for k in value):
         out = ", ".join(f"{k}={compact(v, limit)}" for k, v in value.items()) if value else "{}"
     else:
-        out = repr(value)
+        out = value_repr(value)
     out = " ".join(out.split())
     return out if len(out) <= limit else out[:limit - 3] + "..."
 
 
 def jsonable(value: Any) -> Any:
-    """A decoded value as JSON: plain types as they are, anything else as its repr."""
+    """A decoded value as JSON: plain types as they are (an int too long for decimal
+    text in hex), anything else as its repr."""
+    if isinstance(value, int) and not isinstance(value, bool) and too_long(value):
+        return hex(value)
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -295,7 +299,7 @@ def jsonable(value: Any) -> Any:
         return [jsonable(v) for v in value]
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         return {k: jsonable(v) for k, v in value.items()}
-    return repr(value)
+    return value_repr(value)
 
 
 # --------------------------------------------------------------------------- the tree

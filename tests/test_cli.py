@@ -833,3 +833,19 @@ def test_a_missing_hugging_face_file_is_named_with_where_it_was_listed(tmp_path,
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and why in err[0] and "None" not in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+def test_ls_of_a_fifo_or_a_device_says_what_it_is(tmp_path, capsys):
+    """``ls`` (and ``show``, ``verify``) of a FIFO or a device says what it is, not
+    "there is no such folder" (a folder's listing leaves such entries out)."""
+    from safeckpt.cli import main
+
+    os.mkfifo(tmp_path / "pipe")
+    paths = [(tmp_path / "pipe", "it is a FIFO, not a checkpoint folder")]
+    paths += [(Path("/dev/null"), "it is a character device, not a checkpoint folder")] * os.path.exists("/dev/null")
+    for path, what in paths:
+        for command in ("ls", "show", "verify"):
+            assert main([command, str(path)]) == 2
+            err = capsys.readouterr().err.splitlines()
+            assert len(err) == 1 and err[0].startswith("safeckpt: error: no checkpoint at ") and what in err[0], err

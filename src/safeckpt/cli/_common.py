@@ -21,6 +21,7 @@ from ..format.names import manifest_seq, step_of
 from ..format.text import too_long, value_repr
 from ..format.tree import decode_value
 from ..storage import Storage, StorageWrapper
+from ..storage.local import not_regular
 from ..storage import open as open_storage
 
 ENV_OPTIONS = "SAFECKPT_STORAGE_OPTIONS"
@@ -361,6 +362,9 @@ def locate(path: str, options: dict[str, Any]) -> Place:
     if not listing:
         from ..format.folder import read_committed
 
+        kind = None if is_url(path) else not_regular(path.removeprefix("file://"))
+        if kind and kind != "a folder":  # a listing leaves FIFOs and devices out: "no such folder" would be wrong
+            raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: it is {kind}, not a checkpoint folder")
         read_committed(storage, listing)  # raises, saying whether it is a file or nothing
     raise CheckpointNotFoundError(
         f"no checkpoint at {storage.url}: it has no manifest and no step-NNNNNNNNN folders, and none of its "

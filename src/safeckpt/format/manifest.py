@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any
 
+from .text import key_text
 from .tree import check_tree, child_key, decode_value, items_of, tag_of
 from .checksum import ALGORITHM, BLOCK_SIZE, checksum, checksum_of, is_checksum
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
@@ -332,7 +333,7 @@ def children(node: Any, where: str) -> dict:
     mapping's keys as strings, a list's or tuple's items by index."""
     tag = tag_of(node)
     if tag in MAPPING_TAGS:
-        return {str(k): v for k, v in items_of(node, where, False)}
+        return {key_text(k): v for k, v in items_of(node, where, False)}
     if tag in ("list", "$tuple"):
         return dict(items_of(node, where, False))
     raise CorruptCheckpointError(f"{where}: expected a container")

@@ -126,7 +126,7 @@ def encode(value: Any, key: str, on_tensor: Callable[[str, torch.Tensor], JSON],
         for k, v in value.items():
             if plain and (type(k) is not str or k[:1] == "$"):
                 plain = False
-            name = f"{key}.{k}" if key else str(k)  # child_key, inlined: once per tensor
+            name = (f"{key}.{k}" if key else k) if type(k) is str else child_key(key, k)  # inlined for a str
             keys.append(k)
             values.append(on_tensor(name, v) if fast and type(v) in _TENSORS else
                           encode(v, name, on_tensor, on_object, allow_pickle, inner))

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CleanupWarning,
-                     CorruptCheckpointError, ForeignRunWarning, LeaseWarning, ManagerClosedError,
-                     PartialLoadWarning, ReplicationWarning, SafeckptWarning, SaveAbortedError,
-                     SkippedCheckpointWarning, StateMismatchError, StorageError, UnsafeObjectError,
-                     UnsupportedFeatureError, UnsupportedFormatError, WeakStorageWarning)
+                     CorruptCheckpointError, ForeignRunWarning, InvalidFileNameError, LeaseWarning,
+                     ManagerClosedError, PartialLoadWarning, ReplicationWarning, SafeckptWarning,
+                     SaveAbortedError, SkippedCheckpointWarning, StateMismatchError, StorageError,
+                     UnsafeObjectError, UnsupportedFeatureError, UnsupportedFormatError, WeakStorageWarning)
 
 if TYPE_CHECKING:
     from .run.asyncsave import SaveFuture, async_save
@@ -44,7 +44,7 @@ __all__ = [
     "CheckpointManager", "list_checkpoints", "CheckpointStatus", "CheckpointState", "export_checkpoint",
     "import_checkpoint", "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError",
     "CorruptCheckpointError", "SaveAbortedError", "StateMismatchError", "StorageError",
-    "UnsafeObjectError", "UnsupportedFeatureError", "ManagerClosedError",
+    "UnsafeObjectError", "UnsupportedFeatureError", "InvalidFileNameError", "ManagerClosedError",
     "SafeckptWarning", "SkippedCheckpointWarning", "CleanupWarning", "ForeignRunWarning",
     "PartialLoadWarning", "ReplicationWarning", "WeakStorageWarning", "LeaseWarning",
 ]

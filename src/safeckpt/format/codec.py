@@ -24,11 +24,9 @@ import numpy as np
 import torch
 
 from ..errors import UnsafeObjectError
-from .tree import JSON, MAX_DEPTH, tag_of
+from .tree import JSON, MAX_DEPTH, SAFE_INT, tag_of
 from .tree import (CONTAINER_TAGS, build_container, check_tree, child_key, decode_key,  # noqa: F401
                    decode_leaf, decode_set, decode_value, items_of)
-
-_SAFE_INT = 2**53
 
 
 def _b64(data: bytes) -> str:
@@ -64,7 +62,7 @@ def encode_leaf(value: Any, key: str, allow_pickle: bool) -> JSON:
     if value is None or kind in (bool, str):
         return value
     if kind is int:
-        return value if -_SAFE_INT < value < _SAFE_INT else {"$int": hex(value)}
+        return value if -SAFE_INT < value < SAFE_INT else {"$int": hex(value)}
     if kind is float:
         return _encode_float(value)
     if kind is complex:
@@ -128,7 +126,7 @@ def encode(value: Any, key: str, on_tensor: Callable[[str, torch.Tensor], JSON],
         for k, v in value.items():
             if plain and (type(k) is not str or k[:1] == "$"):
                 plain = False
-            name = f"{key}.{k}" if key else str(k)  # child_key, inlined: once per tensor
+            name = (f"{key}.{k}" if key else k) if type(k) is str else child_key(key, k)  # inlined for a str
             keys.append(k)
             values.append(on_tensor(name, v) if fast and type(v) in _TENSORS else
                           encode(v, name, on_tensor, on_object, allow_pickle, inner))

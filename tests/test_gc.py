@@ -3,13 +3,16 @@ never a file safeckpt did not write, never a save that may still be running."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
 
 import safeckpt
+from safeckpt.format.manifest import frame
 from safeckpt.protocol.checkpoint import new_save_id
 from safeckpt.storage.local import LocalStorage
 
@@ -144,6 +147,28 @@ def test_gc_never_removes_a_committed_checkpoint(tmp_path):
         assert mgr.gc(min_age_s=0) == []
     assert _tree(root) == before
     _committed_ok(root, {1: 1, 2: 2, 3: 33})
+
+
+def test_a_save_leaves_alone_a_finished_manifest_it_cannot_read(tmp_path):
+    """A manifest whose frame and checksum are intact was finished by its writer: when
+    this reader refuses its content (a reader's bug, a stricter rule), the cleanup after
+    a save must not take the checkpoint for a torn save's leftovers and delete it."""
+    root = tmp_path / "run"
+    with safeckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, make_state(1))
+        folder = Path(mgr.path(1))
+        manifest = next(folder.glob("manifest-*.json"))
+        data = manifest.read_bytes()
+        body = json.loads(data[len(b'{"safeckpt":'):data.rindex(b',"checksum":')])
+        body["tree"] = {"$dtype": "int"}  # an alias the decoder refuses
+        manifest.write_bytes(frame(json.dumps(body).encode()))
+        before = _tree(root)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", safeckpt.SafeckptWarning)
+            mgr.save(2, make_state(2))
+            kept = {n for n in before if n.startswith("step-000000001/") and not n.endswith("/")}
+            assert kept <= set(_tree(root))
+            assert set(mgr.gc(dry_run=True)) == kept  # an explicit gc is asked to remove it
 
 
 def test_gc_leaves_a_folder_with_foreign_files_and_an_aborted_save(tmp_path, fork_server):

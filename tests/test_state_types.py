@@ -998,3 +998,28 @@ def test_refused_pickle_in_checkpoint_leaves_state_untouched(ckpt, tmp_path):
     assert not marker.exists()
     assert torch.equal(w, torch.zeros(3)), "the tensor was overwritten by a load that failed"
     assert state["meta"]["epoch"] == 0
+
+
+@pytest.mark.parametrize("how", ["save", "async_save", "manager"])
+def test_a_rank_local_value_saved_by_one_process_loads_and_verifies(how, tmp_path):
+    """One process saves a ``RankLocal`` as a world of one; the manifest holds its value
+    as the list of every rank's (docs/format.md §7), so it reads back and verifies (a
+    manifest holding the bare value was refused on load, and a manager's cleanup then
+    deleted the checkpoint it had just committed)."""
+    value = {"seed": 7, "t": torch.arange(5.0)}
+    state = {"w": torch.ones(3), "rng": safeckpt.RankLocal(value)}
+    if how == "manager":
+        with safeckpt.CheckpointManager(tmp_path / "run") as mgr:
+            mgr.save(1, state)
+            path = mgr.save(2, state).path  # a save of the same layout reuses the plan
+            assert mgr.steps() == [1, 2] and safeckpt.verify(mgr.path(1)).ok
+    elif how == "async_save":
+        path = safeckpt.async_save(state, tmp_path / "c").result().path
+    else:
+        path = safeckpt.save(state, tmp_path / "c").path
+    assert safeckpt.verify(path).ok
+    (loaded,) = safeckpt.load_state(path)["rng"]  # every rank's value: one here
+    assert loaded["seed"] == 7 and torch.equal(loaded["t"], value["t"])
+    target = {"w": torch.zeros(3), "rng": safeckpt.RankLocal({"seed": 0, "t": torch.zeros(5)})}
+    safeckpt.load(target, path)
+    assert target["rng"].value["seed"] == 7 and torch.equal(target["rng"].value["t"], value["t"])

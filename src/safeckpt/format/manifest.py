@@ -183,10 +183,8 @@ def _known(cls: type, entry: Any, where: str) -> dict:
     return {k: v for k, v in entry.items() if k in names}
 
 
-def decode_manifest(data: bytes, where: str) -> Manifest:
-    """Check the frame, checksum, version and schema; raise ``CorruptCheckpointError``
-    naming ``where`` and the problem otherwise (``UnsupportedFormatError`` for a
-    manifest written by a newer safeckpt)."""
+def _unframe(data: bytes, where: str) -> bytes:
+    """The JSON body of a manifest's bytes, once its frame and checksum are checked."""
     _need(data.startswith(_PREFIX) and len(data) > len(_PREFIX) + _SUFFIX_LEN, where,
           "not a safeckpt manifest, or truncated (an interrupted save leaves this)")
     raw, suffix = data[len(_PREFIX):-_SUFFIX_LEN], data[-_SUFFIX_LEN:]
@@ -194,6 +192,26 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     _need(suffix.startswith(_SUFFIX_START) and suffix.endswith(b'"}\n') and is_checksum(stored),
           where, "truncated or garbled (no checksum at the end)")
     _need(checksum(raw) == stored, where, "checksum mismatch: the manifest is torn or was altered")
+    return raw
+
+
+def frame_intact(data: bytes) -> bool:
+    """Whether a writer finished these manifest bytes (frame and checksum intact), whatever
+    their content: one that this reader then refuses is not a torn save's leftover, so
+    nothing may be removed as its garbage (a reader's bug or a stricter rule must never
+    cost a committed checkpoint)."""
+    try:
+        _unframe(data, "")
+    except CorruptCheckpointError:
+        return False
+    return True
+
+
+def decode_manifest(data: bytes, where: str) -> Manifest:
+    """Check the frame, checksum, version and schema; raise ``CorruptCheckpointError``
+    naming ``where`` and the problem otherwise (``UnsupportedFormatError`` for a
+    manifest written by a newer safeckpt)."""
+    raw = _unframe(data, where)
     try:
         body = json.loads(raw)
     except ValueError as exc:

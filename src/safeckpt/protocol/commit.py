@@ -294,7 +294,10 @@ class SaveRun:
 
     def _assign(self, intents: list[Intent]) -> list[Assignment]:
         _check_agreement(intents)
-        self.tree = merge_trees([i.tree for i in intents], digests=[i.digest for i in intents])
+        if len(intents) == 1 and not intents[0].has_local:
+            self.tree = intents[0].tree  # one process, nothing to collect
+        else:
+            self.tree = merge_trees([i.tree for i in intents], digests=[i.digest for i in intents])
         plan = assign_writes([i.pieces for i in intents])
         check_shards(plan)
         save_id, seq = self._claim()
@@ -641,7 +644,7 @@ def merge_trees(trees: list[Any], key: str = "", digests: "list[str | None] | No
     collected into ``{"$local": [x_rank0, x_rank1, ...]}``. ``digests``: each rank's
     ``tree_digest`` of its tree (None where it holds ``$local``)."""
     first = trees[0]
-    if len(trees) == 1 or (digests and digests[0] is not None and digests.count(digests[0]) == len(digests)):
+    if digests and digests[0] is not None and digests.count(digests[0]) == len(digests):
         return first  # the common case: every rank's tree has the same JSON
     if isinstance(first, dict) and all(isinstance(t, dict) and t.keys() == first.keys() for t in trees):
         if first.keys() == {"$local"}:

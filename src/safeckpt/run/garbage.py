@@ -23,7 +23,7 @@ import time
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, SkippedCheckpointWarning, UnsupportedFormatError, warn
 from ..format import manifestcache
 from ..format.folder import read_committed, shared_by_siblings, shared_files
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, frame_intact
 from ..format.names import DATA_RE, RETIRED, manifest_seq, step_of
 from ..protocol.leftovers import save_may_run
 from ..storage import Storage
@@ -39,7 +39,8 @@ def garbage_in(folder: Storage, min_age_s: float | None = None, now: float | Non
     look at the sibling folders). The ``RETIRED`` marker counts as a manifest, and goes
     once no shared data is left. With ``spare_damaged``, a well-formed manifest whose
     files are missing is kept with the files it names (a stale listing of a network
-    filesystem must never make a checkpoint look like garbage)."""
+    filesystem must never make a checkpoint look like garbage), and a folder holding a
+    manifest its writer finished that this reader refuses is left whole."""
     now = time.time() if now is None else now
     listing = folder.listdir()
     try:
@@ -50,6 +51,8 @@ def garbage_in(folder: Storage, min_age_s: float | None = None, now: float | Non
         committed = None
     needed = set(committed.files) if committed else set()
     damaged = _well_formed(folder, listing) if committed is None and spare_damaged else {}
+    if damaged is None:
+        return [], []  # a finished manifest this reader refuses: nothing here is garbage
     for kept in damaged.values():
         needed |= set(kept.files)
     if shared is None:
@@ -118,13 +121,19 @@ def collect(root: Storage, *, min_age_s: float | None = None, dry_run: bool = Fa
 
 
 
-def _well_formed(folder: Storage, listing: dict[str, int | None]) -> dict[str, Manifest]:
-    """Manifests of a folder that decode (whatever the state of the files they name)."""
+def _well_formed(folder: Storage, listing: dict[str, int | None]) -> dict[str, Manifest] | None:
+    """Manifests of a folder that decode (whatever the state of the files they name);
+    None when one was finished by its writer (``frame_intact``) but does not decode."""
     out = {}
     for name in listing:
         if manifest_seq(name) is not None:
             try:
-                out[name] = manifestcache.decode(folder.read(name), f"{folder.url}/{name}")
-            except (CorruptCheckpointError, OSError):
+                data = folder.read(name)
+            except OSError:
                 continue
+            try:
+                out[name] = manifestcache.decode(data, f"{folder.url}/{name}")
+            except CorruptCheckpointError:
+                if frame_intact(data):
+                    return None
     return out

@@ -22,7 +22,7 @@ from .datafile import WrittenPiece, hashed_while_written, write_parts
 from ..format.compact import TensorTable
 from ..format.manifest import Manifest
 from ..format.names import data_file_name
-from .staging import StagedFile, StagingPool
+from .staging import StagedFile, Stager
 from .state import FlatState
 
 class Placeholders:
@@ -81,7 +81,7 @@ class StagedRun(SaveRun):
         self.placeholders: Placeholders | None = None
         self.prepared: tuple[FlatState | None, list[Intent], Assignment] | None = None
 
-    def stage(self, flatten: Any, pool: StagingPool) -> None:
+    def stage(self, flatten: Any, pool: Stager) -> None:
         """Phase 1, then the state copied into ``pool`` as its data file, and the manifest."""
         assert self.group.size == 1 and self.chunk_size is None, "staged saves are full saves of one process"
         self.prepared = flat, intents, mine = self.prepare(flatten)

@@ -11,6 +11,7 @@ import functools
 import logging
 import signal
 from concurrent.futures import Future
+from dataclasses import dataclass
 import threading
 import time
 import uuid
@@ -47,6 +48,21 @@ def _one_call_at_a_time(method: F) -> F:
         with self._calls:
             return method(self, *args, **kwargs)
     return wrapper  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Replaceable:
+    """Which committed checkpoint of a step a manager's save may replace (atomically): one
+    of this run (a loop resumed at the step it restored saves it again), a torn one (the
+    manager holds the root's lease, so no other save is writing it) or one ``restore``
+    found damaged; never another run's. Plain data, so an async save's writer process
+    can decide it."""
+
+    run_id: str
+    damaged: bool
+
+    def __call__(self, old: "Manifest | None") -> bool:
+        return old is None or old.run_id == self.run_id or self.damaged
 
 
 class CheckpointManager:
@@ -243,12 +259,9 @@ class CheckpointManager:
         self._after_save(info)
         return info
 
-    def _may_replace(self, step: int) -> Any:
-        """Which checkpoint of ``step`` a save may replace (atomically): one of this run
-        (a loop resumed at the step it restored saves it again), a torn one (this manager
-        holds the root's lease, so no other save is writing it) or one ``restore`` found
-        damaged; never another run's committed checkpoint."""
-        return lambda old: old is None or old.run_id == self.run_id or step in self._damaged
+    def _may_replace(self, step: int) -> "Replaceable":
+        """Which checkpoint of ``step`` a save may replace (``Replaceable``)."""
+        return Replaceable(self.run_id, step in self._damaged)
 
     def _remove_if_empty(self, folder: Storage) -> None:
         """After a failed save: drop its step folder if the save left it empty."""

@@ -173,13 +173,12 @@ def test_a_killed_saving_process_takes_its_writer_with_it(tmp_path):
     child = _child(f"""
         fut = safeckpt.async_save({{"w": torch.ones(1000)}}, {str(held)!r})
         import time
-        while writer.current_pid() is None:  # started by the save's thread
+        while not os.path.isdir({str(held)!r}):  # the writer runs the save: it made the folder, holds its data
             time.sleep(0.01)
         print(writer.current_pid(), flush=True)
         time.sleep(600)
     """, tmp_path)
     pid = int(child.stdout.readline())
-    time.sleep(0.3)
     child.kill()
     child.wait(30)
     _wait_for(lambda: _gone(pid), 10, "the writer to die with its saving process")
@@ -223,15 +222,21 @@ def test_a_state_changed_in_place_between_saves_commits_what_it_holds(tmp_path):
     base = torch.randn(64, 64)
     state = {"a": base, "b": torch.randn(1000), "c": torch.randn(30, 30), "n": torch.arange(12.0),
              "tied": base, "e": torch.empty(0), "i": torch.arange(40, dtype=torch.int32)}
-    steps = [
+    plain = state["b"]
+    steps = [  # each tensor that stops holding its values in order gets them back the step after
         ("as it is", lambda s: None),
         ("values changed", lambda s: s["b"].mul_(2)),
+        ("a negative view", lambda s: s.__setitem__("b", plain._neg_view())),
+        ("the plain tensor again", lambda s: s.__setitem__("b", plain)),
         ("transposed in place", lambda s: s["c"].t_()),
+        ("a tie at one address broken by the view", lambda s: s.__setitem__("tied", base.t())),
+        ("the tie again", lambda s: s.__setitem__("tied", base)),
+        ("transposed back", lambda s: s["c"].t_()),
+        ("another tensor of the same shape", lambda s: s.__setitem__("b", torch.randn(1000))),
         ("shape changed in place", lambda s: s["n"].unsqueeze_(0)),
         ("a tie broken", lambda s: s.__setitem__("tied", base.clone())),
         ("a tie made", lambda s: s.__setitem__("tied", s["a"])),
         ("a view of another dtype", lambda s: s.__setitem__("i", s["i"].view(torch.float32))),
-        ("a negative view", lambda s: s.__setitem__("b", s["b"]._neg_view())),
         ("resized smaller", lambda s: s["b"].resize_(10)),
         ("a transposed view of the same memory", lambda s: s.__setitem__("a", base.t())),
     ]

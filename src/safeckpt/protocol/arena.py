@@ -181,18 +181,21 @@ class _Layout:
 
     def matches(self, walked: Walk, pointers: list[int]) -> bool:
         """``walked`` may be staged as this layout was: every tensor as before but its
-        values (see the module docstring)."""
+        values (see the module docstring). Tensors sharing an address are compared by
+        their whole view only where some tensor does not hold its values in order: else
+        the same address, shape and dtype are the same view."""
         tensors = walked.tensors
         if walked.names != self.names or walked.boxes != self.boxes or pointers != self.pointers:
             return False
         if list(map(_SHAPE, tensors)) != self.shapes or list(map(_DTYPE, tensors)) != self.dtypes:
             return False
-        if self.direct and not (all(map(torch.Tensor.is_contiguous, tensors))
-                                and not any(map(torch.Tensor.is_neg, tensors))
-                                and not (self.complex and any(map(torch.Tensor.is_conj, tensors)))):
+        direct = (all(map(torch.Tensor.is_contiguous, tensors)) and not any(map(torch.Tensor.is_neg, tensors))
+                  and not (self.complex and any(map(torch.Tensor.is_conj, tensors))))
+        if direct != self.direct:
             return False
         boxes = walked.boxes
-        return all(view_key(tensors[i], *_kind_offsets(boxes, i, tensors[i])) == key for i, key in self.shared)
+        return direct or all(view_key(tensors[i], *_kind_offsets(boxes, i, tensors[i])) == key
+                             for i, key in self.shared)
 
     def copy(self, buffer: SharedBuffer, pointers: list[int]) -> None:
         """Copy a direct layout's pieces, at ``pointers`` (the layout's), into ``buffer``."""

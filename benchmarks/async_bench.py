@@ -138,18 +138,20 @@ while True:
         deadline = time.monotonic() + 30
         while self.count() == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
+        self.run(False)
         return self
 
     def count(self) -> int:
         return struct.unpack_from("q", self.map, 0)[0]
 
-    def rate_during(self, wait: Callable[[], None]) -> tuple[float, float]:
-        """(iterations/s of the child, seconds) while ``wait()`` runs."""
-        c0, t0 = self.count(), time.perf_counter()
-        wait()
-        return (self.count() - c0) / max(1e-9, time.perf_counter() - t0), time.perf_counter() - t0
+    def run(self, running: bool) -> None:
+        """Let the loop run, or stop it (SIGCONT / SIGSTOP)."""
+        import signal
+
+        self.proc.send_signal(signal.SIGCONT if running else signal.SIGSTOP)
 
     def __exit__(self, *exc: object) -> None:
+        self.run(True)
         self.proc.kill()
         self.proc.wait()
         self.map.close()
@@ -157,50 +159,53 @@ while True:
 
 
 def one_async(start: Callable[[dict, Path], Any], state: dict, path: Path, alone_s: float,
-              window_s: float) -> dict:
+              window_s: float, child: "ChildSpinner | None" = None) -> dict:
     """One async save with the loop on the main thread: the loop spins before the save,
     from the save's return for at most ``window_s`` (then the caller just waits for the
-    commit, so a slow save does not stretch the run), and after it."""
+    commit, so a slow save does not stretch the run), and after it. ``child``: the same
+    loop in another process spins in the same windows (and is stopped meanwhile), so
+    both loops meet the same contention at the same moments; only the main thread's
+    shares the save's GIL. Also the CPU time this process's other threads (the save's)
+    used in the window: an upper bound of the GIL they could hold."""
     os.sync()
     gc.collect()
+    counts: list[int] = []
+
+    def mark(running: bool) -> None:
+        if child is not None:
+            counts.append(child.count())
+            child.run(running)
+
+    mark(True)
     n0, s0 = spin_for(alone_s)
+    mark(False)
     t0, c0 = time.perf_counter(), time.process_time()
     fut = start(state, path)
     blocked, cpu = time.perf_counter() - t0, time.process_time() - c0
     until = time.perf_counter() + window_s
+    mark(True)
+    p0, m0 = time.process_time(), time.thread_time()
     n1, s1 = spin(lambda: fut.done() or time.perf_counter() >= until)
+    others = (time.process_time() - p0) - (time.thread_time() - m0)
+    mark(False)
     fut.result()
     total = time.perf_counter() - t0
+    mark(True)
     n2, s2 = spin_for(alone_s)
+    mark(False)
     alone, busy = (n0 + n2) / (s0 + s2), n1 / s1 if s1 > 0 else float("nan")
     rec = {"blocked_s": blocked, "blocked_cpu_s": cpu, "total_s": total, "window_s": s1, "alone_it_s": alone,
-           "with_save_it_s": busy, "slowdown": 1 - busy / alone if s1 > 0 else float("nan")}
+           "with_save_it_s": busy, "slowdown": 1 - busy / alone if s1 > 0 else float("nan"),
+           "other_threads_cpu_s": others}
+    if child is not None and s1 > 0:
+        c = counts  # the child's counts at the ends of: alone, (stopped), window, (stopped), alone
+        c_alone = ((c[1] - c[0]) + (c[5] - c[4])) / (s0 + s2)
+        c_busy = (c[3] - c[2]) / s1
+        rec["control"] = {"alone_it_s": c_alone, "with_save_it_s": c_busy, "slowdown": 1 - c_busy / c_alone}
     reported = getattr(fut, "blocked_seconds", None)
     if reported is not None:
         rec["reported_blocked_s"] = reported
     return rec
-
-
-def one_control(start: Callable[[dict, Path], Any], state: dict, path: Path, alone_s: float,
-                window_s: float) -> dict:
-    """The same save with the loop in another process and the main thread idle."""
-    os.sync()
-    gc.collect()
-    with ChildSpinner() as child:
-        a0, d0 = child.rate_during(lambda: time.sleep(alone_s))
-        fut = start(state, path)
-        busy, _ = child.rate_during(lambda: _wait(fut, window_s))
-        fut.result()
-        a1, d1 = child.rate_during(lambda: time.sleep(alone_s))
-    alone = (a0 * d0 + a1 * d1) / (d0 + d1)
-    return {"alone_it_s": alone, "with_save_it_s": busy, "slowdown": 1 - busy / alone}
-
-
-def _wait(fut: Any, window_s: float) -> None:
-    try:
-        fut.result(timeout=window_s)
-    except Exception:  # noqa: BLE001 - a timeout here only ends the window; errors surface later
-        pass
 
 
 def run_async_case(case: str, state: dict, repeat: int, workdir: Path, tools: list[str] | None = None,
@@ -213,6 +218,7 @@ def run_async_case(case: str, state: dict, repeat: int, workdir: Path, tools: li
     copy()  # warm
     res: dict[str, Any] = {"bytes": nbytes, "n_tensors": len(copy.pairs), "memcopy_s": [], "tools": {},
                            "window_s": window_s}
+    spinner = ChildSpinner().__enter__() if control_tools else None
     for r in range(repeat + 1):  # r == 0: safeckpt's first call (allocates its staging buffers)
         gc.collect()
         for _ in range(MEMCOPY_PER_REPEAT):  # cheap, and the floor deserves a good estimate
@@ -227,17 +233,16 @@ def run_async_case(case: str, state: dict, repeat: int, workdir: Path, tools: li
             alone_s = min(max_alone_s, window_s)
             try:
                 before = copy.timed()
-                one = one_async(ASYNC_TOOLS[tool], state, path, alone_s, window_s)
+                one = one_async(ASYNC_TOOLS[tool], state, path, alone_s, window_s,
+                                spinner if tool in control_tools else None)
                 after = copy.timed()
                 one["memcopy_s"], one["memcopy_cpu_s"] = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
                 if r:
                     rec["runs"].append(one)
+                    if "control" in one:
+                        rec["control"].append(one["control"])
                 else:
                     rec["first"] = one
-                remove(path)
-                if r and tool in control_tools:
-                    one["control"] = one_control(ASYNC_TOOLS[tool], state, path, alone_s, window_s)
-                    rec["control"].append(one["control"])
             except Exception as e:
                 rec["error"] = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
@@ -245,6 +250,8 @@ def run_async_case(case: str, state: dict, repeat: int, workdir: Path, tools: li
                 remove(path)
                 os.sync()
             print(f"  [async {case} r{r}/{repeat}] {tool}: done", file=sys.stderr, flush=True)
+    if spinner is not None:
+        spinner.__exit__()
     del copy
     res["memcopy"] = summary(res.pop("memcopy_s"))
     for tool, rec in res["tools"].items():
@@ -259,6 +266,7 @@ def run_async_case(case: str, state: dict, repeat: int, workdir: Path, tools: li
         gil = [x["slowdown"] - x["control"]["slowdown"] for x in runs if "control" in x]
         if gil:
             rec["paired"]["gil_points"] = spread(gil)
+        rec["paired"]["other_threads_cpu_s"] = spread([x["other_threads_cpu_s"] for x in runs])
         for key, src in (("slowdown", runs), ("control_slowdown", rec["control"])):
             sl = [x["slowdown"] for x in src]
             if sl:
@@ -366,8 +374,9 @@ def async_table(cases: dict[str, dict], sync_save_s: dict[str, float] | None = N
               "### async save: slowdown of a CPU-bound Python loop on the main thread while the "
               "background save runs", "",
               "| state | op | loop it/s alone | loop it/s with save | slowdown median | min–max | "
-              "same loop in another process: slowdown (CPU only) | difference ≈ the GIL | window s |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "same loop in another process: slowdown (CPU only) | difference ≈ the GIL | "
+              "CPU of this process's other threads in the window | window s |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, c in cases.items():
         for tool, rec in c["tools"].items():
             if "slowdown" not in rec:
@@ -378,13 +387,17 @@ def async_table(cases: dict[str, dict], sync_save_s: dict[str, float] | None = N
             s = rec["slowdown"]
             ctl = rec.get("control_slowdown")
             ctl_s = f"{ctl['median']:.1%} ({ctl['min']:.1%}–{ctl['max']:.1%})" if ctl else "–"
-            gil = f"{(s['median'] - ctl['median']) * 100:+.1f} points" if ctl else "–"
+            paired = rec["paired"].get("gil_points")
+            gil = (f"{paired['median'] * 100:+.1f} points ({paired['min'] * 100:+.1f} to {paired['max'] * 100:+.1f})"
+                   if paired else "–")
             win = statistics.median(x["window_s"] for x in runs)
+            other = statistics.median(x["other_threads_cpu_s"] for x in runs)
             lines.append(f"| {name} | {tool} | {alone / 1e6:.2f} M | {busy / 1e6:.2f} M | {s['median']:.1%} | "
-                         f"{s['min']:.1%}–{s['max']:.1%} | {ctl_s} | {gil} | {win:.2f} |")
+                         f"{s['min']:.1%}–{s['max']:.1%} | {ctl_s} | {gil} | {other * 1e3:.0f} ms | {win:.2f} |")
     lines += ["", "The loop runs while the save runs, for at most the window; the control runs the same loop in "
-              "another process while the same save runs (no shared GIL): its slowdown is CPU contention alone, "
-              "the difference ≈ the GIL held by the save's Python code.", ""]
+              "another process at the same moments (no shared GIL): its slowdown is CPU contention alone, the "
+              "difference (per repeat: median, range) ≈ the GIL held by the save's Python code, which the CPU time "
+              "of this process's other threads in the window bounds.", ""]
     return "\n".join(lines + summary_lines(cases))
 
 

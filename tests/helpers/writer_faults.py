@@ -107,6 +107,7 @@ def writer_command() -> list[str]:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # this checkout's safeckpt
     install()
     from safeckpt.run.writer import main
 

@@ -17,9 +17,10 @@ The caller's work per tensor is what correctness needs and no more. ``ArenaStagi
 keeps the layout of the previous save and checks, one C-level pass per attribute,
 that the state has the same names, shapes and dtypes, its tensors at the same
 addresses, contiguous, without a lazy negation or conjugation (so their memory is
-their values), and that tensors sharing an address share it as before; then one
-``memmove`` per tensor copies it. Any difference plans the layout again with
-``pieces_of``, which makes the checks of a synchronous save.
+their values) as they were; then the bytes are copied, small tensors by one C loop of
+slice assignments, large ones by a ``memmove`` each (``_Copies``). Any difference plans
+the layout again with ``pieces_of``, which makes the checks of a synchronous save; a
+layout with tensors that do not hold their values in order copies each with torch.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ from .state import FlatState, Piece, Walk, name_tensors, pieces_of, view_key
 SUPPORTED = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
-_IS_CPU = operator.attrgetter("is_cpu")
 _COMPLEX = {torch.complex32, torch.complex64, torch.complex128}
 
 
@@ -93,7 +93,7 @@ class SharedBuffer:
         """Page-lock the mapping, so copies from a GPU into it are asynchronous DMAs."""
         if self.pinned or not self.size:
             return
-        code = torch.cuda.cudart().cudaHostRegister(self.address, self.size, 0)
+        code = torch.cuda.cudart().cudaHostRegister(self.address, self.size, 1)  # portable: any context
         self.pinned = int(code) == 0  # else copies are still right, only synchronous
 
     def _unmap(self) -> None:
@@ -153,7 +153,7 @@ class Handover:
     plan: int
     tree: bytes
     has_local: bool
-    pieces: bytes | None = None  # pickled (PieceInfo list in buffer order, aliases); None: the plan it has
+    pieces: bytes | None = None  # pickled (PieceInfo list in buffer order, aliases, names); None: it has them
 
     def without_pieces(self) -> "Handover":
         return Handover(self.buffer, self.size, self.plan, self.tree, self.has_local)

@@ -9,6 +9,10 @@ placeholders for the checksums of large pieces. ``finish`` (the background threa
 left with what releases the GIL or costs the same for any number of tensors: the
 writes, fsync, hashing large pieces in 16 MiB blocks, patching their checksums into the
 manifest's table, encoding it (vectorized) and the commit.
+
+The async writer process (``run.writer``) runs the same two halves one after the other,
+with ``arena.BufferStager`` in place of ``StagingPool``: there the pieces are already in
+a shared buffer laid out as the data file, and ``stage`` only slices it.
 """
 
 from __future__ import annotations

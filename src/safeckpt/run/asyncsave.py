@@ -71,6 +71,7 @@ class AsyncSaver:
         self._lock = threading.Lock()  # guards ``pending`` and ``_work``
         self._submitting = threading.Lock()  # one submission at a time: wait, snapshot, start
         self._queue: queue.SimpleQueue | None = None  # the background thread's saves (``_background``)
+        weakref.finalize(self, _release, self.arena)  # a saver never closed: its buffer goes, in the writer too
         _live.add(self)
 
     @gc_paused
@@ -184,15 +185,20 @@ class AsyncSaver:
 
     def _release_arena(self) -> None:
         """Free the shared buffer (a save staged elsewhere: one staging copy at a time)."""
-        if self.arena.buffer is not None:
-            writer.forget(self.arena.buffer)
-            self.arena.close()
+        _release(self.arena)
 
     def _after_fork_in_child(self) -> None:
         """In a forked child: the parent's save in flight is the parent's (its thread
         did not come along), and so are its locks."""
         self.pending, self._work, self._queue = None, None, None
         self._lock, self._submitting = threading.Lock(), threading.Lock()
+
+
+def _release(arena: ArenaStaging) -> None:
+    """Free a saver's shared buffer, here and in the writer process."""
+    if arena.buffer is not None:
+        writer.forget(arena.buffer)
+        arena.close()
 
 
 def _serve(saves: queue.SimpleQueue) -> None:

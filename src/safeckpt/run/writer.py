@@ -64,8 +64,14 @@ from ..protocol.state import FlatState
 from ..storage.local import OS_FILESYSTEM, LocalStorage
 
 ENV = "SAFECKPT_ASYNC_WRITER"  #: "thread": async saves run in the saving process
-#: how the writer is started (with the socket's descriptor and this process's pid after it)
-COMMAND = [sys.executable, "-c", "from safeckpt.run.writer import main; main()"]
+_BOOT = ("import importlib.util, os, sys; i = sys.argv[1]; s = importlib.util.spec_from_file_location("
+         "'safeckpt', i, submodule_search_locations=[os.path.dirname(i)]); m = importlib.util.module_from_spec(s); "
+         "sys.modules['safeckpt'] = m; s.loader.exec_module(m); from safeckpt.run.writer import main; "
+         "main(sys.argv[2:])")
+#: how the writer is started (the socket's descriptor and this process's pid follow): the
+#: same safeckpt as this process's, from its files, whatever the child's ``sys.path`` says
+COMMAND = [sys.executable, "-c", _BOOT, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                    "__init__.py")]
 STOP_S = 30.0  # how long ``stop`` waits for the writer to exit before killing it
 
 
@@ -246,6 +252,7 @@ class Writer:
         self.dead: str | None = None  # how it ended
         self.known: dict[str, int] = {}  # buffer id -> the layout (plan) the writer holds for it
         self._sending = threading.Lock()
+        self._forgotten: list[str] = []  # buffers to unmap, sent with the next message (``forget``)
         self._lock = threading.Lock()  # guards ``_saves`` and ``dead``
         self._saves: dict[int, queue.SimpleQueue] = {}
         self._numbers = itertools.count(1)
@@ -262,6 +269,7 @@ class Writer:
         try:
             try:
                 with self._sending:
+                    self._send_forgotten()
                     if buffer.id not in self.known:
                         _send(self.sock, ("map", buffer.id), [buffer.fd])
                         self.known[buffer.id] = 0
@@ -335,13 +343,23 @@ class Writer:
             answers.put(("died", None))
 
     def forget(self, buffer: str) -> None:
-        """A saver dropped its buffer: the writer unmaps it."""
-        if self.known.pop(buffer, None) is not None:
+        """A saver dropped its buffer: the writer unmaps it. Never waits (a saver that
+        was not closed is forgotten by the garbage collector, on any thread, maybe one
+        sending right now): while another message is being sent, it goes with the next."""
+        if self.known.pop(buffer, None) is None:
+            return
+        self._forgotten.append(buffer)
+        if self._sending.acquire(blocking=False):
             try:
-                with self._sending:
-                    _send(self.sock, ("forget", buffer))
+                self._send_forgotten()
             except OSError:
                 pass
+            finally:
+                self._sending.release()
+
+    def _send_forgotten(self) -> None:
+        while self._forgotten:
+            _send(self.sock, ("forget", self._forgotten.pop()))
 
     def stop(self) -> None:
         """Close the connection (the writer exits after the saves it runs) and wait for it."""
@@ -442,11 +460,8 @@ def _launch(fd: int) -> subprocess.Popen:
     global _launcher
     if _launcher is None:
         _launcher = _Launcher()
-    import safeckpt
     env = dict(os.environ)
-    package = os.path.dirname(os.path.dirname(os.path.abspath(safeckpt.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([package] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")  # it copies bytes: no thread pools
     command = [*COMMAND, str(fd), str(os.getpid())]
     return cast(subprocess.Popen, _launcher.run(
         lambda: subprocess.Popen(command, pass_fds=[fd], env=env, stdin=subprocess.DEVNULL, close_fds=True)))

@@ -16,19 +16,17 @@ Standalone: ``python benchmarks/checksum_bench.py [--quick]``.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (bench_parser, MiB, default_dir, drop_page_cache, empty_like_state, flatten,  # noqa: E402
-                    make_large_state, make_small_state, remove, state_nbytes, summary)
+from common import (bench_parser, MiB, drop_page_cache, empty_like_state, flatten,  # noqa: E402
+                    make_large_state, make_small_state, remove, run_and_report, state_nbytes, summary)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -118,17 +116,9 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.size_mib, args.n_small, args.repeat = 32, 1000, 1
-    base = (args.dir or default_dir()).resolve()
-    workdir = Path(tempfile.mkdtemp(prefix=".safeckpt-bench-", dir=base))
-    try:
-        cases = {"large": run_checksum_case("large", make_large_state(args.size_mib, 50), args.repeat, workdir),
-                 "small": run_checksum_case("small", make_small_state(args.n_small, 8), args.repeat, workdir)}
-    finally:
-        remove(workdir)
-    print(checksum_table(cases))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(cases, indent=1))
-    return 0
+    return run_and_report(args, lambda workdir: {
+        "large": run_checksum_case("large", make_large_state(args.size_mib, 50), args.repeat, workdir),
+        "small": run_checksum_case("small", make_small_state(args.n_small, 8), args.repeat, workdir)}, checksum_table)
 
 
 if __name__ == "__main__":

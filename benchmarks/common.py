@@ -543,6 +543,17 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
 
 
+def parse_or_work(p: argparse.ArgumentParser, worker: Callable[[argparse.Namespace], None]) -> argparse.Namespace | None:
+    """The options of a script whose ranks ``launch_ranks`` starts: in a rank's process
+    (``--_worker``) run ``worker`` and return None, else return the options."""
+    add_worker_args(p)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return None
+    return args
+
+
 def launch_ranks(script: Path, world: int, args: list[str], workdir: Path, timeout: float) -> dict:
     """Run ``script --_worker`` as ``world`` real processes (rank, world, port, ``--dir``
     and ``--out`` added to ``args``) and return the JSON rank 0 wrote, or ``{"error": ...}``."""
@@ -596,3 +607,21 @@ def bench_parser(doc: str, json_name: str, size_mib: int = 1024, count: tuple[st
     p.add_argument("--dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=HERE / "results" / json_name)
     return p
+
+
+def run_and_report(args, run: Callable[[Path], dict], table: Callable[[dict], str]) -> int:
+    """A benchmark script's end: ``run(workdir)`` in a fresh folder under ``--dir``
+    (removed after), its table printed and its result written to ``--json``."""
+    import json
+    import tempfile
+    from pathlib import Path
+    base = (Path(args.dir) if args.dir else default_dir()).resolve()
+    workdir = Path(tempfile.mkdtemp(prefix=".safeckpt-bench-", dir=base))
+    try:
+        res = run(workdir)
+    finally:
+        remove(workdir)
+    print(table(res))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(res, indent=1))
+    return 0

@@ -25,14 +25,13 @@ import datetime
 import json
 import os
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (MiB, add_worker_args, bench_parser, default_dir, drop_page_cache, flatten, large_rows,  # noqa: E402
-                    launch_ranks, make_small_state, remove, summary)
+from common import (MiB, bench_parser, drop_page_cache, flatten, large_rows, launch_ranks,  # noqa: E402
+                    make_small_state, parse_or_work, remove, run_and_report, summary)
 
 LAYERS = ("FileSystem", "safeckpt.dcp")
 OPS = ("save", "load (in place)", "async_save blocked")
@@ -178,24 +177,14 @@ def main() -> int:
     p = bench_parser(__doc__, "dcp.json")
     p.add_argument("--n-large", type=int, default=50)
     p.add_argument("--ranks", default="1,2")
-    add_worker_args(p)
-    args = p.parse_args()
-    if args.worker:
-        worker(args)
+    args = parse_or_work(p, worker)
+    if args is None:
         return 0
     if args.quick:
         args.size_mib, args.n_small, args.repeat = 16, 2000, 1
-    base = (Path(args.dir) if args.dir else default_dir()).resolve()
-    workdir = Path(tempfile.mkdtemp(prefix=".safeckpt-bench-", dir=base))
-    try:
-        res = run_dcp([int(x) for x in args.ranks.split(",")], args.size_mib, args.n_large, args.n_small,
-                      args.repeat, workdir)
-    finally:
-        remove(workdir)
-    print(table(res))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(res, indent=1))
-    return 0
+    worlds = [int(x) for x in args.ranks.split(",")]
+    return run_and_report(args, lambda workdir: run_dcp(worlds, args.size_mib, args.n_large, args.n_small,
+                                                        args.repeat, workdir), table)
 
 
 if __name__ == "__main__":

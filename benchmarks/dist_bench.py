@@ -24,14 +24,13 @@ import datetime
 import json
 import os
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (add_worker_args, bench_parser, MiB, default_dir, drop_page_cache, large_rows, launch_ranks,  # noqa: E402
-                    raw_src_buffer, read_into, remove, summary, write_fsync)
+from common import (bench_parser, MiB, drop_page_cache, large_rows, launch_ranks, parse_or_work,  # noqa: E402
+                    raw_src_buffer, read_into, remove, run_and_report, summary, write_fsync)
 
 OPS = ["raw write+fsync", "raw read", "safeckpt.save", "safeckpt.load (in place)", "dcp.save",
        "dcp.load (in place)"]
@@ -196,23 +195,14 @@ def dist_table(res: dict) -> str:
 def main() -> int:
     p = bench_parser(__doc__, "dist.json", count=("--n-large", 50))
     p.add_argument("--ranks", default="1,2,4")
-    add_worker_args(p)
-    args = p.parse_args()
-    if args.worker:
-        worker(args)
+    args = parse_or_work(p, worker)
+    if args is None:
         return 0
     if args.quick:
         args.size_mib, args.repeat = 16, 1
-    base = (Path(args.dir) if args.dir else default_dir()).resolve()
-    workdir = Path(tempfile.mkdtemp(prefix=".safeckpt-bench-", dir=base))
-    try:
-        res = run_dist([int(x) for x in args.ranks.split(",")], args.size_mib, args.n_large, args.repeat, workdir)
-    finally:
-        remove(workdir)
-    print(dist_table(res))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(res, indent=1))
-    return 0
+    worlds = [int(x) for x in args.ranks.split(",")]
+    return run_and_report(args, lambda workdir: run_dist(worlds, args.size_mib, args.n_large, args.repeat, workdir),
+                          dist_table)
 
 
 if __name__ == "__main__":

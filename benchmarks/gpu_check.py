@@ -14,11 +14,19 @@ CUDA tensors (~156 MiB, the optimizer-like state of the suite), it prints one ta
 * ``safeckpt.save`` from the GPU: a synchronous save to durability, in GB/s, beside a
   raw fsync'd write of the same bytes from host memory.
 
+Then a load shared between 2 ranks (``share_reads="job"``: each saved byte read from
+storage once, sent to the other rank) into CUDA tensors, against the same load without
+sharing: bytes read from storage by both ranks, time, and which transport moved the
+bytes -- NCCL between two GPUs (``SAFECKPT_SHARE_TRANSPORT=nccl``, a world of
+``cpu:gloo,cuda:nccl``) where there are 2 GPUs, else gloo with both ranks on the one GPU
+(NCCL refuses two ranks on one device: that row says so).
+
 Every checkpoint written is loaded back and compared with the GPU tensors; a mismatch
 fails the run. Without CUDA it says it was skipped and exits 0 (``--on-cpu`` runs the
 same steps on CPU tensors instead, unpinned: a check of the script itself, no figures).
 
     python benchmarks/gpu_check.py [--size-mib 4096] [--n-small 20000] [--repeat 3] [--dir D]
+                                   [--share-mib 1024] [--share-only] [--on-cpu]
 """
 
 from __future__ import annotations
@@ -173,6 +181,118 @@ def run_gpu(size_mib: int, n_small: int, repeat: int, base: Path) -> list[dict]:
     return rows
 
 
+def _share_rank(rank: int, port: int, size_mib: int, repeat: int, work: str, device_kind: str, gpus: int) -> None:
+    """One of the 2 ranks of ``share_check`` (spawned: CUDA does not survive a fork)."""
+    import datetime
+    import logging
+    import threading
+
+    import torch.distributed as dist
+
+    nccl = device_kind == "cuda" and gpus >= 2
+    if nccl:
+        os.environ["SAFECKPT_SHARE_TRANSPORT"] = "nccl"
+        torch.cuda.set_device(rank)
+    device = torch.device(device_kind, rank if nccl else 0) if device_kind == "cuda" else torch.device("cpu")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
+    import safeckpt
+    from safeckpt.storage import StorageWrapper
+    from safeckpt.storage import open as open_storage
+
+    said: list[str] = []
+
+    class Heard(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+    log = logging.getLogger("safeckpt.protocol.exchange")
+    log.setLevel(logging.DEBUG)
+    log.addHandler(Heard())
+    count = [0]
+    lock = threading.Lock()
+
+    class Counted(StorageWrapper):
+        def read_into(self, name: str, offset: int, out: memoryview) -> None:
+            self.inner.read_into(name, offset, out)
+            with lock:
+                count[0] += len(out)
+
+    g = torch.Generator(device=device).manual_seed(0)
+    n = max(1, size_mib // 32)
+    state = {"model": {f"w{i:02d}": torch.randn(min(size_mib, 32) * MiB // 4, device=device, generator=g)
+                       for i in range(n)}}
+    dest = {"model": {k: torch.zeros_like(t) for k, t in state["model"].items()}}
+    path = Path(work) / "shared"
+    safeckpt.save(state, path)
+    out: dict = {"transport": None, "device": str(device), "modes": {}}
+    for mode in ("off", "job"):
+        times, nbytes = [], []
+        for r in range(repeat + 1):  # the first one warms up
+            for t in dest["model"].values():
+                t.zero_()
+            count[0] = 0
+            said.clear()
+            dist.barrier()
+            t0 = time.perf_counter()
+            safeckpt.load(dest, Counted(open_storage(str(path))), share_reads=mode)
+            if device.type == "cuda":  # this process's own device (a spawned rank has its own DEVICE)
+                torch.cuda.synchronize()
+            dist.barrier()
+            if r:
+                times.append(time.perf_counter() - t0)
+            both = [None, None]
+            dist.all_gather_object(both, count[0])
+            nbytes.append(sum(both))
+            bad = [k for k, t in state["model"].items() if not torch.equal(dest["model"][k], t)]
+            if bad:
+                raise SystemExit(f"MISMATCH after a shared load ({mode}): {bad[:5]}")
+            if mode == "job" and said:
+                out["transport"] = "nccl" if "nccl" in said[-1] else "gloo"
+        out["modes"][mode] = {"times": times, "bytes": min(nbytes)}
+    out["state_bytes"] = sum(t.nbytes for t in state["model"].values())
+    if rank == 0:
+        (Path(work) / "share.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def share_check(size_mib: int, repeat: int, base: Path) -> dict:
+    """A load shared between 2 ranks into CUDA tensors (see the module docstring); ``{}``
+    without a device."""
+    import torch.multiprocessing as mp
+
+    from common import free_port
+
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        return {}
+    gpus = torch.cuda.device_count() if DEVICE == "cuda" else 0
+    work = Path(tempfile.mkdtemp(prefix=".safeckpt-gpu-share-", dir=base))
+    try:
+        mp.spawn(_share_rank, args=(free_port(), size_mib, repeat, str(work), DEVICE, gpus), nprocs=2, join=True)
+        res = json.loads((work / "share.json").read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    res["nccl_note"] = ("" if res["transport"] == "nccl" else
+                        f"NCCL not run: {gpus} GPU(s); it needs two (one rank per GPU)" if DEVICE == "cuda" else
+                        "on CPU: gloo, a check of the script")
+    return res
+
+
+def share_table(res: dict) -> str:
+    if not res:
+        return "### shared load into GPU tensors\n\nskipped (no CUDA device)\n"
+    med = statistics.median
+    off, job = res["modes"]["off"], res["modes"]["job"]
+    lines = [f"### shared load into {res['device']} tensors, 2 ranks, {res['state_bytes'] / MiB:,.0f} MiB "
+             f"(bytes moved over {res['transport']}{'; ' + res['nccl_note'] if res['nccl_note'] else ''})", "",
+             "| load | bytes read from storage (both ranks) | × the state | median s |", "|---|---:|---:|---:|"]
+    for name, m in (("not shared (share_reads='off')", off), ("shared (share_reads='job')", job)):
+        lines.append(f"| {name} | {m['bytes'] / MiB:,.0f} MiB | {m['bytes'] / res['state_bytes']:.2f} | "
+                     f"{med(m['times']):.3f} |")
+    lines += ["", "Every load was compared with the saved tensors.", ""]
+    return "\n".join(lines)
+
+
 def gpu_table(rows: list[dict], seconds: float | None = None) -> str:
     if not rows:
         return "### GPU staging\n\nskipped (no CUDA device)\n"
@@ -207,18 +327,24 @@ def main() -> int:
     p.add_argument("--dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=HERE / "results" / "gpu_check.json")
     p.add_argument("--on-cpu", action="store_true", help="the same steps on CPU tensors (checks the script)")
+    p.add_argument("--share-mib", type=int, default=1024, help="size of the shared load's state")
+    p.add_argument("--share-only", action="store_true", help="only the shared load")
     args = p.parse_args()
     global DEVICE
     if args.on_cpu:
         DEVICE = "cpu"
     started = time.perf_counter()
-    rows = run_gpu(args.size_mib, args.n_small, args.repeat, (args.dir or default_dir()).resolve())
-    if not rows:
+    base = (args.dir or default_dir()).resolve()
+    rows = [] if args.share_only else run_gpu(args.size_mib, args.n_small, args.repeat, base)
+    shared = share_check(min(args.size_mib, args.share_mib), args.repeat, base)
+    if not rows and not shared:
         print("gpu_check: skipped (no CUDA device)")
         return 0
-    print(gpu_table(rows, time.perf_counter() - started))
+    if rows:
+        print(gpu_table(rows, time.perf_counter() - started))
+    print(share_table(shared))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(rows, indent=1))
+    args.json.write_text(json.dumps({"staging": rows, "share": shared}, indent=1))
     return 0
 
 

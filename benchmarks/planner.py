@@ -12,9 +12,12 @@ gathered intents and reports costs rank 0. Then one
 rank's side of a load: decoding and checking that manifest, and planning its load (the
 chunks that meet its box of every tensor, `TableEntry.meeting`). It also times the
 replicated case (DDP: every rank holds every tensor, each written once in total) and,
-with --scale, the same at 8,192 ranks to show the growth.
+with --scale, the same at 8,192 ranks to show the growth. With --repeated, rank 0's work
+on the first save of a layout and on the next save of the same layout, which reuses the
+kept plan (``protocol/plancache.py``): the ranks' plan ids compared, the kept table
+refilled with the new byte ranges and checksums, the manifest encoded.
 
-    python benchmarks/planner.py [--ranks 1024] [--tensors 2000] [--scale 8192 [--scale-tensors 250]]
+    python benchmarks/planner.py [--ranks 1024] [--tensors 2000] [--scale 8192 [--scale-tensors 250]] [--repeated]
 """
 
 from __future__ import annotations
@@ -26,7 +29,11 @@ import pickle
 import time
 
 from safeckpt.format.checksum import checksum
-from safeckpt.protocol.commit import Intent, Report, SaveRun
+from safeckpt.protocol.commit import Assignment, Intent, Report, SaveRun
+from safeckpt.protocol.group import SingleGroup
+from safeckpt.protocol.plancache import Planned, Probe, layout_key, tree_digest
+from safeckpt.protocol.state import FlatState
+from safeckpt.testing import MemoryObjectStore
 from safeckpt.protocol.datafile import WrittenPiece
 from safeckpt.format.compact import TableBuilder
 from safeckpt.format.manifest import FileEntry, Manifest, decode_manifest, encode_manifest
@@ -53,17 +60,18 @@ def intents_for(per_rank: list[list[PieceInfo]]) -> list[Intent]:
     return [Intent("url", None, PieceColumns.of(pieces), {}, {}) for pieces in per_rank]
 
 
-def reports_for(plan: WritePlan) -> list[Report]:
+def reports_for(plan: WritePlan, save: int = 0) -> list[Report]:
     """What the ranks send rank 0 after writing (input, not timed): each rank's report
-    (data file, every piece's byte range and checksum), compacted as a rank sends it."""
+    (data file, every piece's byte range and checksum), compacted as a rank sends it;
+    ``save``: which save of the layout (other checksums and file names, same ranges)."""
     reports = []
-    n = 0
+    n = save << 40
     for rank in range(len(plan.at) - 1):
         sizes = plan.pieces.nbytes[plan.rows[plan.at[rank]:plan.at[rank + 1]]].tolist()
         if not sizes:
             reports.append(Report())
             continue
-        name = f"data-0123456789abcdef0000-r{rank:05d}.safetensors"
+        name = f"data-0123456789abcdef{save:04d}-r{rank:05d}.safetensors"
         starts = list(itertools.accumulate(sizes, initial=64))
         written = [WrittenPiece(p, a, b, [f"xxh3_64:{n + i:016x}"])
                    for i, (p, a, b) in enumerate(zip(plan.names(rank), starts, starts[1:]))]
@@ -91,7 +99,7 @@ def timed(label: str, fn, quiet: bool = False, spent: list | None = None):
     if spent is not None:
         spent.append(used)
     if not quiet:
-        print(f"  {label:<40} {time.perf_counter() - wall:7.2f} s wall {used:7.2f} s CPU")
+        print(f"  {label:<46} {time.perf_counter() - wall:7.2f} s wall {used:7.2f} s CPU")
     return result
 
 
@@ -131,6 +139,52 @@ def measure(kind: str, make, ranks: int, tensors: int, quiet: bool = False) -> d
     return {"rank0": rank0_s, "load": load, "mib": len(data) / 2**20, "pieces": pieces}
 
 
+def saver(plan: WritePlan | None = None) -> SaveRun:
+    """Rank 0's side of a save (its group and folder are never used here)."""
+    run = SaveRun(SingleGroup(), MemoryObjectStore(), overwrite=True, step=None, metadata={}, metrics={},
+                  new_save_id=lambda: "0123456789abcdef0000", existing=lambda storage: (None, 0))
+    run.tree, run.plan = {}, plan
+    return run
+
+
+def repeated(kind: str, make, ranks: int, tensors: int) -> dict:
+    """Rank 0's work for the first save of a layout and for the next save of the same
+    layout (``plancache``): the first gathers every rank's pieces, plans and builds the
+    table (and keeps them); the next compares the ranks' plan ids and refills the kept
+    table with the new byte ranges and checksums. Also one rank's own share of the
+    next save: the digest of its layout."""
+    print(f"{kind}, saved again and again: {ranks} ranks x {tensors} tensors")
+    intents = timed("describe pieces (input)", lambda: intents_for(make(ranks, tensors)))
+    first: list[float] = []
+    plan = timed("first save: assign writers", lambda: assign_writes([i.pieces for i in intents]), spent=first)
+    timed("first save: check shard coverage", lambda: check_shards(plan), spent=first)
+    lite = [Intent(i.url, i.step, PieceColumns.of([]), i.aliases, None) for i in intents]
+    kept = Planned("plan", plan.names(0), plan, lite)
+    run = saver(plan)
+    run.kept = kept
+    mine = Assignment("0123456789abcdef0000", 1, plan_id="plan")
+    reports = reports_for(plan)
+    manifest = timed("first save: build tensor table (kept)", lambda: run._build_manifest(lite, reports, mine),
+                     spent=first)
+    timed("first save: encode manifest", lambda: encode_manifest(manifest), spent=first)
+    again: list[float] = []
+    later = reports_for(plan, save=1)
+    key = timed("next save, every rank: digest of its layout",
+                lambda: layout_key("url/step", intents[ranks // 2].pieces, {}, ranks // 2, ranks))
+    probes = [Probe("url/step", None, "plan", tree_digest({}), None) for _ in range(ranks)]
+    run = saver()
+    flat = FlatState({}, {})
+    timed("next save: compare the ranks' plan ids", lambda: run._answer(probes, flat, kept), spent=again)
+    run.kept = kept
+    manifest2 = timed("next save: refill the kept table", lambda: run._build_manifest(lite, later, mine),
+                      spent=again)
+    data = timed("next save: encode manifest", lambda: encode_manifest(manifest2), spent=again)
+    assert decode_manifest(data, "manifest").tensors.digests == manifest2.tensors.digests and key
+    print(f"  {'rank 0: first save / next save':<46} {sum(first):7.2f} s / {sum(again):.3f} s CPU "
+          f"({sum(again) / sum(first):.3f}x)")
+    return {"first": sum(first), "next": sum(again), "ratio": sum(again) / sum(first)}
+
+
 def main() -> None:
     gc.disable()  # as safeckpt.save does: millions of small objects would trigger collections
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -138,9 +192,14 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=2000)
     ap.add_argument("--scale", type=int, default=0, help="also simulate up to this many ranks (e.g. 8192), sharded")
     ap.add_argument("--scale-tensors", type=int, default=250, help="tensors per rank in the growth runs")
+    ap.add_argument("--repeated", action="store_true", help="also rank 0's work on a save of an unchanged layout")
     args = ap.parse_args()
     for kind, make in (("sharded", sharded), ("replicated", replicated)):
         measure(kind, make, args.ranks, args.tensors)
+    if args.repeated:
+        for kind, make in (("sharded", sharded), ("replicated", replicated)):
+            gc.collect()
+            repeated(kind, make, args.ranks, args.tensors)
     if args.scale:
         print(f"growth, sharded, {args.scale_tensors} tensors (linear: the time per piece stays flat):")
         ranks = args.ranks

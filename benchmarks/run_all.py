@@ -26,6 +26,12 @@ its AdamW state after one step). Sections (``--sections``, default all):
   tiered    local tier + S3 vs straight to S3: time blocked, time to durability
   nodes     2 simulated nodes x 2 ranks: straight to the durable root (a local folder, S3) vs
             node-local (+ peer replica) + durable: time blocked, time to durability (``nodes_bench.py``)
+  share     a replicated (DDP) state loaded on 1, 2, 4 ranks, local folder and S3: bytes read from
+            storage and time, shared reads vs not vs dcp.load (``share_bench.py``)
+  plans     rank 0's work for the first save of a layout of 1,024 ranks x 2,000 pieces and for
+            the next save of the same layout, which reuses the plan (``planner.py --repeated``)
+  cli       the safeckpt command from a shell: ls, show and verify of a 10-checkpoint root, each
+            a fresh process, against --help (``cli_bench.py``)
 Writes benchmarks/results/run_all.json, run_all.md and chart.png (``--quick``: under
 results/quick/), and prints Markdown tables ready for the README, ending with the targets.
 """
@@ -33,6 +39,7 @@ results/quick/), and prints Markdown tables ready for the README, ending with th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -51,7 +58,8 @@ from common import (HERE, MiB, cpu_snapshot, default_dir, filesystem_of, flatten
                     other_cpu_share, setup_dcp, source_fingerprint, state_nbytes, versions, busy_note,
                     freeze_heap)
 
-SECTIONS = ["saveload", "async", "checksum", "rss", "dist", "dcp", "gpu", "s3", "incremental", "tiered", "nodes"]
+SECTIONS = ["saveload", "async", "checksum", "rss", "dist", "dcp", "gpu", "s3", "incremental", "tiered", "nodes",
+            "share", "plans", "cli"]
 SECONDARY_LOADERS = {"safeckpt.load_state", "torch.load(mmap=True)"}
 
 
@@ -60,12 +68,13 @@ def config(args: argparse.Namespace) -> dict:
         c = dict(large_mib=16, n_large=50, n_small=500, small_kib=8, d_model=64, layers=2, repeat=1,
                  ranks=[2], dist_mib=16, s3_mib=8, rss_mib=[16], max_alone_s=0.3, window_s=0.3, slow_op_s=None,
                  inc_mib=16, inc_saves=3, tier_mib=8, nodes_mib=8, nodes_saves=1, dcp_ranks=[1], dcp_mib=16,
-                 gpu_mib=256)
+                 gpu_mib=256, share_ranks=[2], share_mib=16, share_s3_mib=8, plan_ranks=64, plan_tensors=200)
     else:
         c = dict(large_mib=1024, n_large=50, n_small=20000, small_kib=8, d_model=512, layers=4, repeat=3,
                  ranks=[1, 2, 4], dist_mib=1024, s3_mib=128, rss_mib=[256, 1024], max_alone_s=1.0, window_s=2.0,
                  slow_op_s=5.0, inc_mib=512, inc_saves=10, tier_mib=128, nodes_mib=1024, nodes_saves=3,
-                 dcp_ranks=[1, 2], dcp_mib=1024, gpu_mib=4096)
+                 dcp_ranks=[1, 2], dcp_mib=1024, gpu_mib=4096, share_ranks=[1, 2, 4], share_mib=1024,
+                 share_s3_mib=1024, plan_ranks=1024, plan_tensors=2000)
     if args.repeat:
         c["repeat"] = args.repeat
     if args.ranks:
@@ -175,11 +184,31 @@ def compute_targets(res: dict) -> list[dict]:
         rows.append(_t("incremental: hashing overhead < 10% when nothing is shared", "all tensors change",
                        "< 10%", h["hash_share"], "<=", 0.10, "%", "hashing alone s ÷ full save s",
                        note=f"incremental ÷ full save − 1 = {h['overhead']:+.1%} (disk noise dominates)"))
+    from share_bench import share_figures
+
+    for where, f in share_figures(res.get("share", {})).items():
+        rows.append(_t("replicated load: bytes read ≤ 1.0× the checkpoint", f"{where}, {f['ranks']} ranks", "≤ 1.00×",
+                       f["bytes_x"], "<=", 1.01, "×", "bytes all ranks read ÷ the state's bytes",
+                       note="headers and the manifest make up the last 1%"))
+        if where == "s3" and f["ranks"] >= 4:
+            rows.append(_t("replicated load on S3, 4 ranks: ≤ 0.5× the time without sharing", f"{f['ranks']} ranks",
+                           "≤ 0.50×", f["time_x"], "<=", 0.5, "×", "shared s ÷ not shared s", f["time_x_best"]))
+    plans = res.get("plans", {}).get("sharded")
+    if plans:
+        rows.append(_t("rank 0, next save of an unchanged layout ≤ 0.1× the first", plans["shape"], "≤ 0.10×",
+                       plans["ratio"], "<=", 0.1, "×", "CPU s of the next save ÷ the first's (plan, table, encode)",
+                       note=f"first {plans['first']:.2f} s, next {plans['next']:.3f} s"))
     tier = res.get("tiered", {}).get("modes", {})
     if tier:
         direct, local = tier["straight to S3"], tier["local tier + S3"]
         rows.append(_t("local tier: training blocked ≤ 0.5× straight to S3", "large fp32", "≤ 0.50×",
                        local["blocked_s"] / direct["blocked_s"], "<=", 0.5, "×", "blocked s ÷ straight-to-S3 s"))
+    if res.get("cli"):
+        from cli_bench import LS_TARGET_S, N_CHECKPOINTS, ls_seconds
+
+        rows.append(_t(f"safeckpt ls of a {N_CHECKPOINTS}-checkpoint root < {LS_TARGET_S} s (issue 28)", "cli",
+                       f"< {LS_TARGET_S} s", ls_seconds(res["cli"]), "<=", LS_TARGET_S, " s",
+                       "median wall time of a fresh process", best=ls_seconds(res["cli"], "min_s")))
     for key, r in rss.items():
         if key.startswith("safeckpt.save") and "extra_bytes" in r:
             rows.append(_t("peak extra RSS of a sync save < 256 MiB", f"large fp32 {r['state_bytes'] / MiB:,.0f} MiB",
@@ -272,8 +301,40 @@ def report(res: dict) -> str:
         out.append(tiered_table(res["tiered"]))
     if res.get("nodes"):
         out.append(nodes_table(res["nodes"]))
+    if res.get("share"):
+        from share_bench import share_table
+        out.append(share_table(res["share"]))
+    if res.get("plans"):
+        out.append(plans_table(res["plans"]))
+    if res.get("cli"):
+        from cli_bench import cli_table
+
+        out.append(cli_table(res["cli"]))
     out.append(targets_table(res["targets"]))
     return "\n".join(out)
+
+
+def plans_table(res: dict) -> str:
+    lines = ["### rank 0's work, first save of a layout and the next save of the same layout (CPU s)", "",
+             "| job | first save | next save | next ÷ first |", "|---|---:|---:|---:|"]
+    for kind, r in res.items():
+        lines.append(f"| {kind}, {r['shape']} | {r['first']:.2f} | {r['next']:.3f} | {r['ratio']:.3f} |")
+    lines += ["", "First: assign writers, check the shards' tiling, build the tensor table, encode the manifest; next: "
+              "compare the ranks' plan ids, refill the kept table with the new byte ranges and checksums, encode.", ""]
+    return "\n".join(lines)
+
+
+def run_plans(ranks: int, tensors: int) -> dict:
+    import planner
+
+    gc.collect()
+    out = {}
+    for kind, make in (("sharded", planner.sharded), ("replicated", planner.replicated)):
+        with contextlib.redirect_stdout(sys.stderr):  # its progress, like the other sections'
+            r = planner.repeated(kind, make, ranks, tensors)
+        out[kind] = dict(r, shape=f"{ranks:,} ranks x {tensors:,} tensors")
+        gc.collect()
+    return out
 
 
 # ----------------------------------------------------------------------------- main
@@ -317,7 +378,7 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix=".safeckpt-bench-", dir=base))
     can_drop = [True]
     res: dict = {"config": c, "saveload": {}, "async": {}, "checksum": {}, "rss": {}, "dist": {}, "dcp": {},
-                 "gpu": [], "s3": {}, "incremental": {}, "tiered": {}, "nodes": {}}
+                 "gpu": [], "s3": {}, "incremental": {}, "tiered": {}, "nodes": {}, "share": {}, "plans": {}, "cli": {}}
     timing: dict[str, dict] = {}
 
     def section(name: str):
@@ -412,6 +473,20 @@ def main() -> int:
 
             with section("nodes"):
                 res["nodes"] = run_nodes(c["nodes_mib"], c["nodes_saves"], workdir)
+        if "share" in sections:
+            from share_bench import run_share
+
+            with section("share"):
+                res["share"] = run_share(c["share_ranks"], c["share_mib"], c["n_large"], c["repeat"], workdir,
+                                         c["share_s3_mib"])
+        if "plans" in sections:
+            with section("plans"):
+                res["plans"] = run_plans(c["plan_ranks"], c["plan_tensors"])
+        if "cli" in sections:
+            from cli_bench import run_cli
+
+            with section("cli"):
+                res["cli"] = run_cli(max(c["repeat"], 3), workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     for rec in timing.values():
@@ -444,6 +519,8 @@ def main() -> int:
     errors += [f"dcp/{w}" for w, r in res["dcp"].items() if r.get("error") or r.get("errors")]
     errors += [f"s3/{op}" for op in res["s3"].get("errors", {})]
     errors += [f"rss/{k}" for k, r in res["rss"].items() if "error" in r]
+    errors += [f"share/{where}/{w}" for where, ws in res["share"].items() for w, r in ws.items()
+               if isinstance(r, dict) and (r.get("error") or any(o.get("errors") for o in r.get("ops", {}).values()))]
     for name in ("s3", "tiered", "nodes"):
         if res[name].get("error") and not res[name]["error"].startswith("skipped"):
             errors.append(name)

@@ -15,10 +15,8 @@ Standalone: ``python benchmarks/s3_bench.py [--quick]``.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -26,8 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (bench_parser, MiB, check_equal, default_dir, empty_like_state, flatten,  # noqa: E402
-                    free_port, make_large_state, remove, state_nbytes, summary, write_fsync, raw_src_buffer)
+from common import (bench_parser, MiB, check_equal, empty_like_state, flatten,  # noqa: E402
+                    free_port, make_large_state, run_and_report, state_nbytes, summary, write_fsync, raw_src_buffer)
 
 KEY, SECRET = "bench", "bench-secret"
 BUCKET = "safeckpt-bench"
@@ -185,16 +183,7 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.size_mib, args.repeat = 8, 1
-    base = (args.dir or default_dir()).resolve()
-    workdir = Path(tempfile.mkdtemp(prefix=".safeckpt-bench-", dir=base))
-    try:
-        res = run_s3(args.size_mib, args.n_large, args.repeat, workdir)
-    finally:
-        remove(workdir)
-    print(s3_table(res))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(res, indent=1))
-    return 0
+    return run_and_report(args, lambda workdir: run_s3(args.size_mib, args.n_large, args.repeat, workdir), s3_table)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The real sharded GPU paths, for a machine with GPUs (the tests run them on CPU):
 
-    torchrun --nproc-per-node 2 examples/fsdp_gpu.py --dir /tmp/fsdp-gpu
+    .venv/bin/torchrun --nproc-per-node 2 examples/fsdp_gpu.py --dir /tmp/fsdp-gpu
 
 1. ``dcp.save`` / ``dcp.load`` of an FSDP2 model and its optimizer on CUDA through
    ``safeckpt.dcp.Writer`` / ``Reader`` (NCCL for the training, a separate gloo group for

@@ -1,6 +1,6 @@
 """Kill a training job in the middle of a checkpoint save, resume it, get the same model.
 
-    python examples/train_resume.py            # or: ./run demo
+    .venv/bin/python examples/train_resume.py  # or: ./run demo
 
 The script plays four parts, each in its own process, as a real job would live them:
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,24 @@ import pytest
 _TESTS = Path(__file__).resolve().parent
 if str(_TESTS / "helpers") not in sys.path:
     sys.path.insert(0, str(_TESTS / "helpers"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temp_folder_of_the_run(tmp_path_factory):
+    """The system's temporary folder, for the tests and every process they start, is one
+    under pytest's own (which pytest prunes, keeping the last 3 runs): what they leave
+    there (torchrun's log folders, a server's sockets and logs, a folder a test made and
+    forgot) never piles up in /tmp."""
+    folder = tmp_path_factory.mktemp("tmp")
+    before = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = str(folder)
+    tempfile.tempdir = None  # computed again, from TMPDIR
+    yield folder
+    if before[0] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before[0]
+    tempfile.tempdir = before[1]
 
 
 @pytest.fixture(scope="session")

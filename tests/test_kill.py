@@ -128,10 +128,14 @@ def test_sigkill_during_manager_saves_many(fork_server, tmp_path):
     _kill_loop(fork_server, tmp_path, kills=100, seed=SEED + 1)
 
 
-def _overwrite_kill_loop(fork_server, tmp_path, kills: int, seed: int) -> None:
+def overwrite_kill_loop(fork_server, tmp_path, kills: int, seed: int, where: "Path | None" = None) -> None:
+    """SIGKILL a child overwriting one checkpoint (on ``where``: another filesystem,
+    default ``tmp_path``) at random moments; after each kill the path loads the last
+    value saved or the one in flight, never a mix, and verifies."""
     rng = random.Random(seed)
-    path = str(tmp_path / "one")
-    save_s = fork_server.calibrate(str(tmp_path / "calibrate"))
+    where = tmp_path if where is None else where
+    path = str(where / "one")
+    save_s = fork_server.calibrate(str(where / "calibrate"))
     last_done: int | None = None
     value = 0
     for i in range(kills):
@@ -166,12 +170,12 @@ def _overwrite_kill_loop(fork_server, tmp_path, kills: int, seed: int) -> None:
 
 
 def test_sigkill_during_overwrite_loads_old_or_new_never_a_mix(fork_server, tmp_path):
-    _overwrite_kill_loop(fork_server, tmp_path, kills=8, seed=SEED + 2)
+    overwrite_kill_loop(fork_server, tmp_path, kills=8, seed=SEED + 2)
 
 
 @pytest.mark.slow
 def test_sigkill_during_overwrite_many(fork_server, tmp_path):
-    _overwrite_kill_loop(fork_server, tmp_path, kills=50, seed=SEED + 3)
+    overwrite_kill_loop(fork_server, tmp_path, kills=50, seed=SEED + 3)
 
 
 def test_sigkill_between_manifest_create_and_write_of_the_first_save(fork_server, tmp_path):

@@ -9,10 +9,13 @@ folder; nothing is mocked, kills are real SIGKILLs.
 
 from __future__ import annotations
 
+import random
 import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
@@ -44,16 +47,17 @@ def server():
     srv.close()
 
 
-def launch(server, tmp_path: Path, scenario: str, name: str, nodes: list[str], **opts):
-    res = server.launch(len(nodes), [scenario], tmp_path, tmp_path / name, timeout=90, env=ENV,
+def launch(server, tmp_path: Path, scenario: str, name: str, nodes: list[str], timeout: float = 90, **opts):
+    res = server.launch(len(nodes), [scenario], tmp_path, tmp_path / name, timeout=timeout, env=ENV,
                         opts={"nodes": nodes, **opts})
     return res
 
 
-def holdings(tmp_path: Path, node: str, step: int) -> dict:
-    """save id -> files the node's folder holds of that save (under a valid record)."""
+def holdings(tmp_path: Path, node: str, step: int, home: Path | None = None) -> dict:
+    """save id -> files the node's folder holds of that save (under a valid record of
+    the durable root ``home``, default ``durable``)."""
     folder = LocalStorage(str(tmp_path / f"local-{node}" / step_folder(step)))
-    return {sid: sorted(h.files) for sid, h in read_holdings(folder).items()}
+    return {sid: sorted(h.files) for sid, h in read_holdings(folder, step, str(home or tmp_path / "durable")).items()}
 
 
 def durable_exact(tmp_path: Path, step: int) -> None:
@@ -362,3 +366,231 @@ def test_unsupported_options_are_refused_before_anything_is_written(server, tmp_
         for name, res in data.items():
             assert res["raised"] == "ValueError", (r, name, res)
     assert not list(tmp_path.glob("local-*/step-*")) and not list(tmp_path.glob("durable/step-*"))
+
+
+# -- foreign, misplaced and malformed records (issue 24) ---------------------------------
+
+
+def test_another_roots_node_records_are_never_restored_uploaded_or_deleted(server, tmp_path):
+    """Job X (durable root ``durable-x``) left steps 2 and 3 on the nodes' folders; job Y
+    committed step 2 in its own durable root, then runs on the same node folders. Y
+    restores its own step 2 (warned of X's records, never X's weights), uploads nothing
+    of X's, saves steps 3 and 4 (step 3 beside X's records) and its retention
+    (keep_local=1) deletes its own step 3, never X's records or files: X still restores
+    its step 3 from the nodes' disks, bit for bit."""
+    x = {"durable_url": str(tmp_path / "durable-x"), "salt": 1000}
+    save(server, tmp_path, [2, 3], name="save-x", **x)
+    x_held = {(n, s): holdings(tmp_path, n, s, home=tmp_path / "durable-x") for n in "ab" for s in (2, 3)}
+    assert all(x_held.values()), x_held
+    save(server, tmp_path, [2], name="save-y", local_of={"a": "ya", "b": "yb"})
+    res = restore(server, tmp_path, 2, name="restore-y", then=[3, 4], keep_local=1)
+    assert "ForeignRunWarning" in res[0]["categories"], res[0]["warnings"]
+    assert any("durable-x" in w for w in res[0]["warnings"]), res[0]["warnings"]
+    for r, data in enumerate(res):
+        assert all(s["raised"] is None for s in data["then"].values()), (r, data["then"])
+    assert committed(tmp_path / "durable") == [3, 4]
+    for step in (3, 4):
+        durable_exact(tmp_path, step)
+    assert holdings(tmp_path, "a", 3) == {} and holdings(tmp_path, "a", 4)  # Y's own step 3 went
+    for (n, s), held in x_held.items():  # X's records and files, untouched by Y's retention
+        assert holdings(tmp_path, n, s, home=tmp_path / "durable-x") == held
+    shutil.rmtree(tmp_path / "durable-x")
+    restore(server, tmp_path, 3, name="restore-x", expect_salt=1000, **x)
+
+
+def test_a_record_under_another_step_folder_counts_for_nothing(server, tmp_path):
+    """Each node's step-2 folder copied to step-9: its records name step 2, not 9, and
+    count for nothing (warned); step 3, whole on the nodes and durable, restores."""
+    save(server, tmp_path, [2, 3])
+    for node in "ab":
+        shutil.copytree(tmp_path / f"local-{node}" / step_folder(2), tmp_path / f"local-{node}" / step_folder(9))
+    res = restore(server, tmp_path, 3)
+    assert any(step_folder(9) in w and "step 2" in w for w in res[0]["warnings"]), res[0]["warnings"]
+
+
+def test_a_rotted_peer_replica_of_the_newest_step_falls_back_to_an_older_whole_step(server, tmp_path):
+    """Node b and the durable root are lost; node a holds steps 1 and 2 whole (its own
+    files and b's replica), but its replica of b's step-2 file rotted. Restoring step 2
+    fails on every rank together; step 1, whole on node a, restores instead (warned)."""
+    save(server, tmp_path, [1, 2], replicas=1)
+    shutil.rmtree(tmp_path / "local-b")
+    shutil.rmtree(tmp_path / "durable")
+    victim = next((tmp_path / "local-a" / step_folder(2)).glob("data-*-r00002.safetensors"))
+    data = bytearray(victim.read_bytes())
+    data[-50] ^= 0x10  # a tensor byte: the record still matches by size
+    victim.write_bytes(bytes(data))
+    res = restore(server, tmp_path, 1, replicas=1)
+    assert any(step_folder(2) in w and "checksum" in w for w in res[0]["warnings"]), res[0]["warnings"]
+
+
+# Crafted records (tests/helpers/nodes_dist_worker.py ``craft``): each is written into a
+# node's folder in turn, every rank restores; the answer is always step 3, bit for bit.
+BAD_VALUES = [None, True, -1, 1.5, 10 ** 30, 2 ** 63, 1e308, "12", "", [], {}, [1, 2], {"x": 1}, "x" * 300]
+BAD_NAMES = ["../data-0-r00000.safetensors", "/etc/passwd", "", "a/b", "data-zz-r00000.safetensors",
+             "holds-x.json", "step-000000003", "\n"]
+NAMED_CASES = [  # the issue's own, then one per field
+    {"node": "a", "step": 3, "name": "same", "mutation": {"kind": "key", "key": "files", "value": ["x"]}},
+    {"node": "b", "step": 3, "name": "same", "mutation": {"kind": "drop", "key": "files"}},
+    {"node": "a", "step": 3, "name": "same", "mutation": {"kind": "drop", "key": "manifest"}},
+    {"node": "a", "step": 3, "name": "new", "mutation": {"kind": "key", "key": "manifest", "value": 7}},
+    {"node": "b", "step": 3, "name": "same", "mutation": {"kind": "key", "key": "node", "value": [1]}},
+    {"node": "a", "step": 3, "name": "same", "mutation": {"kind": "size", "value": 10 ** 30}},
+    {"node": "a", "step": 3, "name": "same", "mutation": {"kind": "size", "value": 1e308}},
+    {"node": "b", "step": 3, "name": "same", "mutation": {"kind": "size", "value": True}},
+    {"node": "a", "step": 3, "name": "new", "mutation": {"kind": "name", "value": "../../step-000000002/x"}},
+    {"node": "a", "step": 3, "name": "same", "mutation": {"kind": "body", "value": [1, 2]}},
+    {"node": "b", "step": 3, "name": "same", "mutation": {"kind": "raw", "how": "truncated"}},
+    {"node": "a", "step": 3, "name": "same", "mutation": {"kind": "raw", "how": "binary"}},
+    {"node": "a", "step": 4, "name": "new", "mutation": {"kind": "copy"}},
+    {"node": "b", "step": 9, "name": "same", "mutation": {"kind": "manifest", "field": "step", "value": 9}},
+    {"node": "a", "step": 4, "name": "same", "mutation": {"kind": "manifest", "field": "step", "value": 4}},
+    {"node": "a", "step": 3, "name": "new", "mutation": {"kind": "manifest", "field": "save_id", "value": "0" * 8}},
+    {"node": "b", "step": 3, "name": "same", "mutation": {"kind": "manifest", "field": "durable_root", "value": "/x"}},
+    {"node": "a", "step": 3, "name": "new", "mutation": {"kind": "other-node"}},
+    {"node": "a", "step": 4, "name": "new", "mutation": {"kind": "other-node"}},
+    {"node": "b", "step": 3, "name": "new", "mutation": {"kind": "key", "key": "node", "value": "c"}},
+]
+
+
+def run_cases(server, tmp_path, cases: list[dict], timeout: float = 90) -> None:
+    res = launch(server, tmp_path, "nodes_crafted", "crafted", TWO_BY_TWO, cases=cases, expect=3, timeout=timeout)
+    every = res.results("nodes_crafted")
+    for i, case in enumerate(cases):
+        for r, ranks in enumerate(every):
+            data = ranks[i]
+            assert data["restore"]["raised"] is None, (case, r, data["restore"])
+            assert data["restored"] == 3 and data["problems"] == [], (case, r, data)
+
+
+def test_malformed_records_count_for_nothing_on_every_rank(server, tmp_path):
+    """Records with a valid checksum and a wrong shape (``files`` a list, keys missing,
+    wrong types, huge numbers, ``..`` paths), torn ones, misplaced ones, another node's
+    and another root's: each counts for nothing, every rank restores step 3 (whole on
+    the nodes and durable) bit for bit, none raises or waits for another. So does a
+    node whose folder cannot be read at all."""
+    save(server, tmp_path, [2, 3])
+    run_cases(server, tmp_path, NAMED_CASES)
+    # a node whose folder cannot even be listed (EIO) holds nothing; its ranks read the durable copy
+    res = restore(server, tmp_path, 3, unreadable="b")
+    assert any("node b" in w and "Input/output error" in w for w in res[0]["warnings"]), res[0]["warnings"]
+
+
+# Hypothesis draws the cases: every field of a record, and of the manifest it embeds,
+# set to any JSON value (out of range, of the wrong type, huge, nested), the framing
+# broken, valid records copied where they do not belong.
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
+                    | st.sampled_from(BAD_VALUES), lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+RECORD_KEYS = st.sampled_from(["files", "manifest", "node"])
+MANIFEST_FIELDS = st.sampled_from(["step", "save_id", "seq", "world_size", "created", "durable_root", "run_id",
+                                   "files", "tensors", "tree", "format_version", "block_size", "metadata"])
+MUTATIONS = st.one_of(
+    st.fixed_dictionaries({"kind": st.just("key"), "key": RECORD_KEYS, "value": JSON}),
+    st.fixed_dictionaries({"kind": st.just("drop"), "key": RECORD_KEYS}),
+    st.fixed_dictionaries({"kind": st.just("size"), "value": JSON | st.integers(-1, 1 << 20)}),
+    st.fixed_dictionaries({"kind": st.just("name"), "value": st.sampled_from(BAD_NAMES) | st.text(max_size=40)}),
+    st.fixed_dictionaries({"kind": st.just("body"), "value": JSON}),
+    st.fixed_dictionaries({"kind": st.just("manifest"), "field": MANIFEST_FIELDS,
+                           "value": JSON | st.sampled_from([1, 2, 4, 9])}),
+    st.fixed_dictionaries({"kind": st.just("raw"), "how": st.sampled_from(
+        ["bad-checksum", "no-checksum", "truncated", "extra-line", "empty", "not-json", "binary"])}),
+    st.fixed_dictionaries({"kind": st.sampled_from(["copy", "other-node"])}),
+)
+CASES = st.fixed_dictionaries({"node": st.sampled_from("ab"), "step": st.sampled_from([3, 3, 4, 9, 1]),
+                               "name": st.sampled_from(["same", "new"]), "mutation": MUTATIONS})
+_DRAWN = dict(deadline=None, database=None, phases=[Phase.explicit, Phase.generate],  # no shrinking: a launch per try
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                     HealthCheck.data_too_large])
+
+
+def drawn_cases(seed: int, count: int) -> list[dict]:
+    """``count`` cases drawn at random (seeded) from the same kinds as ``CASES``: one
+    launch must see many kinds, and a Hypothesis example that small starts minimal."""
+    rnd = random.Random(seed)
+
+    def value(depth: int = 0) -> object:
+        makers = [lambda: rnd.choice(BAD_VALUES), lambda: rnd.choice([-(1 << 70), -1, 0, 7, 1 << 64, 10 ** 400]),
+                  lambda: rnd.choice([float("nan"), float("inf"), -0.0, 1e-320, 1e308]),
+                  lambda: rnd.choice(BAD_NAMES), lambda: rnd.random() < 0.5,
+                  lambda: "".join(chr(rnd.randrange(1, 0x2FF)) for _ in range(rnd.randrange(30)))]
+        if depth < 2:  # nested, two levels at most
+            makers += [lambda: [value(depth + 1) for _ in range(rnd.randrange(4))],
+                       lambda: {str(value(depth + 1))[:8]: value(depth + 1) for _ in range(rnd.randrange(4))}]
+        return rnd.choice(makers)()
+
+    fields = ["step", "save_id", "seq", "world_size", "created", "durable_root", "run_id", "files", "tensors",
+              "tree", "format_version", "block_size", "metadata"]
+    kinds = [
+        lambda: {"kind": "key", "key": rnd.choice(["files", "manifest", "node"]), "value": value()},
+        lambda: {"kind": "drop", "key": rnd.choice(["files", "manifest", "node"])},
+        lambda: {"kind": "size", "value": rnd.choice([value(), rnd.randrange(-1, 1 << 20)])},
+        lambda: {"kind": "name", "value": rnd.choice(BAD_NAMES + [str(value())[:40]])},
+        lambda: {"kind": "body", "value": value()},
+        lambda: {"kind": "manifest", "field": rnd.choice(fields), "value": rnd.choice([value(), 1, 2, 4, 9])},
+        lambda: {"kind": "raw", "how": rnd.choice(["bad-checksum", "no-checksum", "truncated", "extra-line",
+                                                   "empty", "not-json", "binary"])},
+        lambda: {"kind": rnd.choice(["copy", "other-node"])},
+    ]
+    return [{"node": rnd.choice("ab"), "step": rnd.choice([3, 3, 3, 4, 9, 1]), "name": rnd.choice(["same", "new"]),
+             "mutation": rnd.choice(kinds)()} for _ in range(count)]
+
+
+def test_randomly_crafted_records_never_change_what_restores(server, tmp_path):
+    save(server, tmp_path, [2, 3])
+    run_cases(server, tmp_path, drawn_cases(seed=24, count=20))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@settings(max_examples=6, **_DRAWN)
+@given(cases=st.lists(CASES, min_size=60, max_size=60))
+def test_randomly_crafted_records_never_change_what_restores_slow(server, tmp_path_factory, cases):
+    root = tmp_path_factory.mktemp("crafted")
+    save(server, root, [2, 3])
+    run_cases(server, root, cases, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def one_record(tmp_path_factory):
+    """A node's folder of step 3: one data file and the valid own record of its save
+    (for the durable root ``HOME``); the record's bytes."""
+    import dataclasses
+    from safeckpt.format.manifest import encode_manifest
+    from safeckpt.run.nodes import write_record
+    folder = tmp_path_factory.mktemp("node") / step_folder(3)
+    safeckpt.save({"w": torch.arange(1000.0)}, str(folder), step=3)
+    m = safeckpt.protocol.checkpoint.read_committed(LocalStorage(str(folder)))
+    for manifest in folder.glob("manifest-*"):
+        manifest.unlink()  # a node's folder holds records, never a manifest
+    data = encode_manifest(dataclasses.replace(m, durable_root=HOME))
+    write_record(LocalStorage(str(folder)), data, "a", {n: f.size for n, f in m.files.items()}, "own", m.save_id)
+    record = next(folder.glob("holds-*"))
+    return folder, record.read_bytes(), {n: f.size for n, f in m.files.items()}, m.save_id
+
+
+HOME = "/durable"
+
+
+@settings(max_examples=150, derandomize=True, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(mutation=MUTATIONS, step=st.sampled_from([3, 3, 4]), same_name=st.booleans())
+def test_a_crafted_record_never_raises_nor_makes_a_folder_hold_more(one_record, mutation, step, same_name):
+    """Read in-process (hundreds of records a second): whatever a record holds, reading
+    the folder never raises, and the folder never holds a file, size or save beyond
+    what is truly there (the real save's data file)."""
+    import nodes_dist_worker as nw
+    from safeckpt.run.nodes import holdings, read_records
+    folder, base, files, sid = one_record
+    real = next(folder.glob("holds-*"))
+    target = real if same_name else folder / real.name.replace("-own-", "-own0x-")
+    target.write_bytes(nw.craft(base, mutation, base))
+    try:
+        held = holdings(read_records(LocalStorage(str(folder)), step), HOME)
+    finally:
+        if same_name:
+            target.write_bytes(base)
+        else:
+            target.unlink()
+    assert set(held) <= {sid}, held
+    for h in held.values():
+        assert h.files.items() <= files.items() and h.manifest.step == step == 3, (mutation, h)

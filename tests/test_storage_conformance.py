@@ -1,10 +1,12 @@
 """``safeckpt.testing.StorageTests`` against every backend in the tree: local folders,
 the simulated disks of every profile, the in-memory object store, fsspec's memory://,
-a fault-injecting wrapper, and S3 on real moto and SeaweedFS servers."""
+a fault-injecting wrapper, S3 on real moto and SeaweedFS servers, Azure Blob Storage on
+Azurite and Google Cloud Storage on fake-gcs-server (the last two behind ``slow``: their
+default cells are in test_object_store.py), and local folders on XFS, btrfs and FUSE
+mounts of a bucket in test_real_filesystems.py."""
 
 from __future__ import annotations
 
-import tempfile
 import uuid
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from safeckpt.storage import LocalStorage, open as open_storage
 from safeckpt.testing import FaultyStorage, MemoryObjectStore, StorageTests, storage_for_profile
 from s3servers import moto_server, s3_bucket, seaweedfs_server  # noqa: F401
+from storageservers import azurite_server, gcs_server  # noqa: F401
 
 
 class TestLocal(StorageTests):
@@ -44,8 +47,12 @@ class TestMemoryObjectStore(StorageTests):
 
 
 class TestFaultyWrapper(StorageTests):
+    @pytest.fixture(autouse=True)
+    def _folder(self, tmp_path):
+        self.folder = tmp_path
+
     def make_storage(self):
-        return FaultyStorage(LocalStorage(tempfile.mkdtemp(prefix="safeckpt-conf-")))
+        return FaultyStorage(LocalStorage(self.folder / uuid.uuid4().hex))
 
 
 class TestFsspecMemory(StorageTests):
@@ -62,6 +69,23 @@ class TestS3(StorageTests):
 
     def make_storage(self):
         return open_storage(f"s3://{s3_bucket(self.server)}/{uuid.uuid4().hex}", **self.server.options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["gs", "az"])
+class TestGCSAndAzure(StorageTests):
+    """gcsfs on fake-gcs-server and adlfs on Azurite: both claim exclusive create, so the
+    racing-creates rule runs against the servers."""
+
+    @pytest.fixture(autouse=True)
+    def _server(self, request, scheme):
+        self.scheme = scheme
+        self.server = request.getfixturevalue("gcs_server" if scheme == "gs" else "azurite_server")
+
+    def make_storage(self):
+        st = open_storage(f"{self.scheme}://{self.server.bucket()}/{uuid.uuid4().hex}", **self.server.options)
+        assert st.exclusive_create
+        return st
 
 
 # --------------------------------------------------------------------------- the registry

@@ -1,6 +1,7 @@
-"""The package's shape holds: no import cycles, no private names imported across
-modules, the command line starts without torch, and the public listing, ``safeckpt ls``
-and ``safeckpt verify`` name every folder state the same way."""
+"""The package's shape holds: no import cycles, no private names imported or private
+attributes reached into across modules, the command line starts without torch, and
+the public listing, ``safeckpt ls`` and ``safeckpt verify`` name every folder state
+the same way."""
 
 from __future__ import annotations
 
@@ -81,6 +82,52 @@ def test_no_private_name_is_imported_from_another_module():
     assert not found, found
 
 
+def _defined(tree: ast.AST) -> set[str]:
+    """Every name a module defines: its functions, classes and variables, and the
+    attributes it assigns (``self._x = ...``)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            out.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+    return out
+
+
+def _classes(tree: ast.AST) -> dict[str, tuple[list[str], set[str]]]:
+    """Each class a module defines: the names of its bases, and the names it defines."""
+    return {node.name: ([b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases],
+                        _defined(node)) for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+
+
+def test_no_module_reaches_into_another_modules_private_attributes():
+    """``obj._name`` (not on ``self`` or ``cls``) is for names the module itself defines
+    (another instance of its own class) or that a class it extends defines (a class
+    family shares its protected members); a private attribute or method of another
+    module's class is that module's business: it hands over a callable or gives it a
+    public name (``self.manager._check_lease()`` from another module was how this read
+    before)."""
+    trees = {module: ast.parse(path.read_text()) for module, (path, _) in _modules().items()}
+    classes = {name: info for tree in trees.values() for name, info in _classes(tree).items()}
+    allowed = {}
+    for module, tree in trees.items():
+        allowed[module] = _defined(tree)
+        bases = [b for own, _ in _classes(tree).values() for b in own]
+        while bases:  # what the classes it extends define, all the way up
+            base = bases.pop()
+            if base in classes:
+                allowed[module] |= classes[base][1]
+                bases += classes[base][0]
+    ours = set().union(*(_defined(tree) for tree in trees.values()))
+    found = sorted(f"{module}:{node.lineno}: .{node.attr}" for module, tree in trees.items() for node in ast.walk(tree)
+                   if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                   and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                   and node.attr in ours and node.attr not in allowed[module])
+    assert not found, found
+
+
 def test_the_command_line_starts_without_torch():
     code = ("import sys\nfrom safeckpt.cli import main\nassert main(['--help']) == 0\n"
             "assert main(['--version']) == 0\nprint('torch' in sys.modules)")
@@ -120,3 +167,40 @@ def test_listing_ls_and_verify_name_every_state_alike(tmp_path, capsys):
     for c in listed:
         assert c.state.label in out
     assert "1 committed, 1 torn, 1 corrupt, 1 newer format, 1 empty, 1 retired" in out
+
+
+def test_ls_show_and_verify_read_checkpoints_without_torch(tmp_path):
+    """``safeckpt ls``, ``show``, ``verify`` and ``gc`` decode and check manifests and
+    data without importing torch (seconds on every call), dtypes, devices and sizes among
+    the values included (``show`` imports torch only to display such a value); a folder of
+    sealed files too."""
+    model = torch.nn.Linear(3, 2)
+    state = {"model": model, "optim": torch.optim.AdamW(model.parameters()), "step": 3}
+    safeckpt.save(state, tmp_path / "run" / "step-000000003", step=3, metadata={"lr": (0.1, float("nan"))})
+    safeckpt.save({**state, "dtype": torch.bfloat16, "device": torch.device("cpu"), "size": torch.Size([2, 3])},
+                  tmp_path / "run" / "step-000000004", step=4)
+    sealed = tmp_path / "sealed"
+    sealed.mkdir()
+    (sealed / "trainer_state.json").write_text("{}")
+    safeckpt.seal(sealed)
+    commands = [["ls", str(tmp_path / "run")], ["ls", str(tmp_path / "run"), "--json"],
+                ["show", str(tmp_path / "run" / "step-000000003")],
+                ["show", str(tmp_path / "run" / "step-000000003"), "--json"], ["show", str(sealed)],
+                ["verify", str(tmp_path / "run"), str(sealed)], ["gc", str(tmp_path / "run"), "--dry-run"]]
+    code = ("import sys\nfrom safeckpt.cli import main\n"
+            f"for args in {commands!r}:\n    assert main(args) == 0, args\n"
+            "print('torch' in sys.modules, file=sys.stderr)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert p.stderr.splitlines()[-1] == "False", p.stderr
+    assert "2 committed" in p.stdout and "(0.1, nan)" in p.stdout and "0.999" in p.stdout, p.stdout
+    assert "checked 3 checkpoint folder(s)" in p.stdout and "every checksum matches" in p.stdout, p.stdout
+
+
+def test_the_dtype_table_is_the_installed_torchs():
+    """Manifests are decoded with ``format.dtypes.ITEMSIZES`` (no torch): it must name
+    every storable dtype of the installed torch with its item size."""
+    from safeckpt.format.dtypes import ITEMSIZES, torch_dtypes
+
+    have = {name: d.itemsize for name, d in torch_dtypes().items()}
+    assert {n: s for n, s in ITEMSIZES.items() if n in have} == {n: have[n] for n in ITEMSIZES if n in have}
+    assert not set(have) - set(ITEMSIZES), f"add to format/dtypes.py ITEMSIZES: {sorted(set(have) - set(ITEMSIZES))}"

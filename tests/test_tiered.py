@@ -468,6 +468,72 @@ def test_durable_newer_than_stale_local_tier(tmp_path):
     mgr.close()
 
 
+def test_another_roots_local_checkpoints_are_never_restored_uploaded_or_deleted(tmp_path):
+    """Job X (durable root ``durable-x``) left steps 2 and 3 in a local folder; job Y
+    committed step 2 in its own root, then runs with the same local folder. Y restores
+    its own step 2 (warned of X's, never X's weights), lists and uploads nothing of
+    X's, is refused (clearly) a save of a step the folder holds for X, saves other steps
+    beside X's and its retention never deletes X's: X still restores its step 3."""
+    shared, dx, dy = tmp_path / "local", tmp_path / "durable-x", tmp_path / "durable-y"
+
+    def x_state(step: int) -> dict:  # X's checkpoint of a step: other values than Y's
+        return make_state(step + 1000)
+
+    with safeckpt.CheckpointManager(str(dx), local=str(shared), keep_last=3) as x:
+        for step in (2, 3):
+            x.save(step, x_state(step))
+    with safeckpt.CheckpointManager(str(dy), local=str(tmp_path / "local-y")) as y:
+        y.save(2, make_state(2))
+    mgr = safeckpt.CheckpointManager(str(dy), local=str(shared), keep_last=3, keep_local=2)
+    state = template()
+    with recorded() as seen:
+        assert mgr.restore(state) == 2
+    assert_state(state, 2)
+    foreign = [str(w.message) for w in seen if issubclass(w.category, safeckpt.ForeignRunWarning)]
+    assert foreign and str(dx) in foreign[0] and step_folder(3) in foreign[0], messages(seen)
+    assert mgr.steps() == [2] and mgr.latest_step() == 2 and mgr.path(2) == str(dy / step_folder(2))
+    mgr.wait()
+    assert committed(dy) == [2]  # X's step 3 was not uploaded
+    with pytest.raises(safeckpt.CheckpointExistsError, match="durable-x"):
+        mgr.save(3, make_state(3))
+    for step in (4, 5, 6):
+        mgr.save(step, make_state(step))
+        mgr.wait()
+    mgr.delete(2)  # Y's own step 2 (in Y's root), never X's local one
+    mgr.close()
+    assert assert_committed_exact(dy) == [4, 5, 6]
+    assert committed(shared) == [2, 3, 5, 6]  # keep_local=2 kept Y's 5 and 6, and left X's alone
+    shutil.rmtree(dx)
+    with safeckpt.CheckpointManager(str(dx), local=str(shared), keep_last=3) as x:
+        state = template()
+        with recorded() as seen:
+            assert x.restore(state) == 3
+        assert_state(state, 1003)
+    assert any(str(dy) in m and step_folder(6) in m for m in messages(seen)), messages(seen)  # Y's, in turn
+
+
+@pytest.mark.parametrize("tier", ["local", "durable"])
+def test_a_checkpoint_under_another_step_folder_counts_for_nothing(tiers, tier):
+    """Step 2's folder copied to step 9 (in either tier): its manifest says step 2, not 9,
+    so it is passed over (warned) and step 3 restores; nor is it listed as step 9."""
+    local, durable = tiers
+    _three_saves(local, durable, keep_local=3)
+    root = local if tier == "local" else durable
+    shutil.copytree(root / step_folder(2), root / step_folder(9))
+    mgr = safeckpt.CheckpointManager(str(durable), local=str(local), keep_last=3, keep_local=3)
+    state = template()
+    with recorded() as seen:
+        assert mgr.restore(state) == 3
+    assert_state(state, 3)
+    assert any(step_folder(9) in m and "step 2" in m for m in messages(seen)), messages(seen)
+    assert mgr.steps() == [1, 2, 3] and mgr.latest_step() == 3
+    mgr.close()
+    if tier == "durable":  # the listing (safeckpt ls, verify) agrees with the manager
+        rows = {row.step: row for row in safeckpt.list_checkpoints(durable)}
+        assert rows[9].state is safeckpt.CheckpointState.CORRUPT and "step 2" in rows[9].problem, rows[9]
+        assert rows[3].committed
+
+
 # --------------------------------------------------------------------------- failures
 
 

@@ -7,7 +7,10 @@ released code keep loading). ``v1`` was made by the code of commit 8990613 (form
 ``CheckpointManager`` run of two steps whose second step shares chunks with the first).
 ``v3`` (format 3, tensor tables) holds both: ``v3/plain`` the ``safeckpt.save`` of
 ``golden_state()`` and ``v3/run`` the incremental run, made by the code that introduced
-format 3 (branch v3). It writes the folder of the version it writes, and never over one.
+format 3 (branch v3). ``v4`` (format 4: a ``torch.distributed.checkpoint`` save through
+``safeckpt.dcp.Writer`` with DCP's ZStandard stream transform; the only saves written as
+format 4) was made by the code that introduced format 4 (``make_transformed``). It writes
+the folder of the version it writes, and never over one.
 
     PYTHONPATH=src python tests/golden/make_golden.py tests/golden
 
@@ -91,9 +94,28 @@ def make_run(root: Path) -> None:
             mgr.save(step, state, metrics={"loss": 1.0 / step})
 
 
+def transformed_state() -> dict:
+    """What the format-4 checkpoint holds: tensors DCP compresses, and plain values."""
+    return {"weight": torch.arange(64, dtype=torch.float32).reshape(8, 8) / 4,
+            "zeros": torch.zeros(256, dtype=torch.int16), "step": 7}
+
+
+def make_transformed(path: Path) -> None:
+    """Format 4: DCP's save of ``transformed_state()`` with ZStandard (needs zstandard)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    import safeckpt.dcp
+
+    dcp.save(transformed_state(), storage_writer=safeckpt.dcp.Writer(str(path), _extensions=[ZStandard()]),
+             no_dist=True)
+
+
 def make(out: Path) -> None:
     """Write the golden checkpoints of the format version this code writes (``v1`` and
     ``v2`` came from the code of their time), never over existing ones."""
+    if not (out / "v4").exists():
+        make_transformed(out / "v4")
     folder = out / f"v{WRITE_VERSION}"
     if folder.exists():
         raise SystemExit(f"{folder} exists: golden checkpoints are never regenerated")

@@ -25,9 +25,18 @@ def extensions_dir() -> Path:
 
 
 def built() -> bool:
-    """Whether the op is compiled and no build of it is under way or was left half done."""
+    """Whether the op is compiled for this torch (torch rebuilds it, in whichever process
+    loads it first, when it was built against another path: a venv reached through a
+    link, a copy) and no build of it is under way or was left half done."""
+    import torch
+
     folder = extensions_dir() / NAME
-    return (folder / f"{NAME}.so").is_file() and not (folder / "lock").exists()
+    try:
+        ninja = (folder / "build.ninja").read_text()
+    except OSError:
+        return False
+    return ((folder / f"{NAME}.so").is_file() and not (folder / "lock").exists()
+            and os.path.dirname(torch.__file__) in ninja)
 
 
 def build() -> None:

@@ -133,23 +133,29 @@ def sc_crash_save(ctx: dw.Ctx) -> dict:
 
 def sc_crash_recover(ctx: dw.Ctx) -> dict:
     """After a crash: a job with ``opts["wipe"]``'s disk replaced by an empty one restores
-    (on copies: the disks and a copy of the durable root), so does one that lost the
-    durable root as well (the other node's disk alone), then a job on the disks as
-    they are restores and saves step 3 (its disks kept). Each reports the step it
-    restored and how the state differs from that step's."""
+    (on copies of the disks; the durable root as the crash left it), so does one that
+    lost the durable root as well (the other node's disk alone), then a job on the
+    disks as they are restores and saves step 3 (its disks kept). Each job runs on the
+    durable root's own path (node-local records belong to the durable root of that
+    URL): rank 0 keeps the crash's durable root aside and puts back a copy, or nothing,
+    before each. Each reports the step it restored and how the state differs from
+    that step's."""
     node = _node(ctx)
     disk = load_disk(ctx.root, node, ctx.opts["profile"])
-    if ctx.rank == 0:
-        shutil.copytree(ctx.root / "durable", ctx.root / "durable-wiped")
-    ctx.barrier()
+    durable, kept = ctx.root / "durable", ctx.root / "durable-after-crash"
     out: dict[str, Any] = {}
 
     def wiped() -> SimulatedDisk:
         return load_disk(ctx.root / "none", node, ctx.opts["profile"]) if node == ctx.opts["wipe"] else disk.clone()
 
-    for name, run_disk, durable in (("wiped", wiped(), ctx.root / "durable-wiped"),
-                                    ("alone", wiped(), ctx.root / "durable-lost"),
-                                    ("same", disk, ctx.root / "durable")):
+    for name, run_disk, with_durable in (("wiped", wiped(), True), ("alone", wiped(), False), ("same", disk, True)):
+        if ctx.rank == 0:
+            if not kept.exists():
+                shutil.move(durable, kept)
+            shutil.rmtree(durable, ignore_errors=True)
+            if with_durable:
+                shutil.copytree(kept, durable)
+        ctx.barrier()
         target = rank_state(ctx.rank, ctx.world, 0, empty=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -161,6 +167,7 @@ def sc_crash_recover(ctx: dw.Ctx) -> dict:
             if name == "same":
                 out[name]["next"] = dw.caught(lambda: (mgr.save(3, rank_state(ctx.rank, ctx.world, 3)), mgr.wait()))
             out[name]["close"] = dw.caught(mgr.close)
+        ctx.barrier()  # every rank's background upload is done before rank 0 moves the root
     dump_disk(disk, disk_file(ctx.root, node))
     return out
 

@@ -18,7 +18,7 @@ import warnings
 import click
 
 from .._version import __version__
-from ._common import CliError, debug, printable, set_debug
+from ._common import CliError, debug, one_line, printable, set_debug
 
 __all__ = ["cli", "main"]
 
@@ -67,22 +67,21 @@ def cli(debug: bool) -> None:
     set_debug(debug)
 
 
-def _one_line(exc: "BaseException | str") -> str:
-    text = str(exc).strip() or type(exc).__name__
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return printable("; ".join(lines))
-
-
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
-    print(f"safeckpt: warning: {_one_line(message)}", file=sys.stderr)
+    print(f"safeckpt: warning: {one_line(message)}", file=sys.stderr)
 
 
 class _InfoLines(logging.Handler):
     """Off a terminal (a job's log, a pipe) there is no progress bar: what safeckpt logs
-    at INFO (each save, each exported file) is one ``safeckpt: ...`` line on stderr."""
+    at INFO (each exported file) is one ``safeckpt: ...`` line on stderr."""
 
     def emit(self, record: logging.LogRecord) -> None:
         print(f"safeckpt: {printable(record.getMessage())}", file=sys.stderr)
+
+
+# an import is one save, and its result line says what the save's INFO line would (with a
+# rate that means nothing for a small, instant save): no INFO lines
+_NO_INFO_LINES = {"import"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = _show_warning
     logger, handler = logging.getLogger("safeckpt"), _InfoLines(logging.INFO)
     level = logger.level
-    if not sys.stderr.isatty():
+    command = next((a for a in args if not a.startswith("-")), None)
+    if not sys.stderr.isatty() and command not in _NO_INFO_LINES:
         logger.addHandler(handler)
         logger.setLevel(min(level or logging.INFO, logging.INFO))
     try:
@@ -115,18 +115,18 @@ def _run(args: list[str]) -> int:
     except CliError as exc:
         if debug():
             raise
-        print(f"safeckpt: error: {_one_line(exc.format_message())}", file=sys.stderr)
+        print(f"safeckpt: error: {one_line(exc.format_message())}", file=sys.stderr)
         return exc.exit_code
     except click.exceptions.NoArgsIsHelpError as exc:  # bare `safeckpt`: the help, as --help prints it
         click.echo(exc.ctx.get_help())
         return 0
     except click.UsageError as exc:
         command = exc.ctx.command_path if exc.ctx is not None else "safeckpt"
-        print(f"safeckpt: error: {_one_line(exc.format_message()).rstrip('.')} (see '{command} --help')",
+        print(f"safeckpt: error: {one_line(exc.format_message()).rstrip('.')} (see '{command} --help')",
               file=sys.stderr)
         return 2
     except click.ClickException as exc:
-        print(f"safeckpt: error: {_one_line(exc.format_message())}", file=sys.stderr)
+        print(f"safeckpt: error: {one_line(exc.format_message())}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         if debug():
@@ -148,8 +148,8 @@ def _describe(exc: BaseException) -> str:
     from ..errors import CheckpointError
 
     if isinstance(exc, (CheckpointError, OSError)):
-        return _one_line(exc)
-    return f"{type(exc).__name__}: {_one_line(exc)} (run with --debug for the traceback)"
+        return one_line(exc)
+    return f"{type(exc).__name__}: {one_line(exc)} (run with --debug for the traceback)"
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import click
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsafeObjectError
 from ..format.states import CheckpointState
 from ..format.names import manifest_seq, step_of
+from ..format.tree import decode_value
 from ..storage import Storage, StorageWrapper
 from ..storage import open as open_storage
 
@@ -156,17 +157,30 @@ def progress_console() -> Any:
     return Console(file=sys.stderr, markup=False, highlight=False, emoji=False)
 
 
+class Bar:
+    """What a command tells its progress bar: bytes done, and the total once known."""
+
+    def __init__(self, progress: Any, task: Any) -> None:
+        self.progress, self.task = progress, task
+
+    def advance(self, nbytes: int) -> None:
+        self.progress.advance(self.task, nbytes)
+
+    def total(self, nbytes: int | None) -> None:
+        self.progress.update(self.task, total=nbytes)
+
+
 @contextlib.contextmanager
-def progress_bar(what: str) -> Iterator[Callable[[int], None]]:
+def progress_bar(what: str, total: int | None = None) -> Iterator[Bar]:
     """A bytes-done bar on stderr while a long command runs, only on a terminal (off one,
-    the INFO log lines say what happened); yields ``advance(nbytes)``."""
+    the INFO log lines say what happened). ``total``: the bytes it will do, when known
+    before it starts (``Bar.total`` sets it later); unknown, the bar shows ``?``."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
     err = progress_console()
     with Progress(TextColumn(what), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   console=err, transient=True, disable=not err.is_terminal) as progress:
-        task = progress.add_task(what, total=None)
-        yield lambda n: progress.advance(task, n)
+        yield Bar(progress, progress.add_task(what, total=total))
 
 
 class CountingWrites(StorageWrapper):
@@ -204,6 +218,13 @@ def printable(value: Any) -> str:
     ``\\x1b``): folder, file and tensor names come from storage and manifests, and a
     newline in one must not forge a row of a listing (``--json`` stays exact)."""
     return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(value))
+
+
+def one_line(exc: "BaseException | str") -> str:
+    """An error as one printable line (a message over several lines is joined with ``;``)."""
+    text = str(exc).strip() or type(exc).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return printable("; ".join(lines))
 
 
 def text(value: Any):
@@ -286,9 +307,7 @@ PICKLED = "<pickled object: not decoded>"
 def decode(node: Any, key: str) -> Any:
     """Decode an encoded value for display; pickled values are never unpickled."""
     try:
-        from ..format import codec  # imports torch: only commands that read values ask
-
-        return codec.decode_value(node, key, allow_pickle=False)
+        return decode_value(node, key, allow_pickle=False)
     except UnsafeObjectError:
         return PICKLED
     except CheckpointError as exc:

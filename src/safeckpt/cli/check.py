@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -13,10 +14,10 @@ import click
 from ..run import garbage
 from ..errors import CheckpointError
 from ..format.folder import CheckpointState, folder_state
-from ..protocol.reader import TensorReader
+from ..protocol.filecheck import CheckedFiles
 from ..storage import Storage, StorageWrapper
-from ._common import (CliError, console, count_states, human_bytes, locate, print_json, progress_console, say, storage_option_flag,
-                      storage_options, table, text)
+from ._common import (CliError, console, count_states, human_bytes, locate, one_line, print_json, progress_console,
+                      say, storage_option_flag, storage_options, table, text)
 
 
 class _Counting(StorageWrapper):
@@ -48,14 +49,18 @@ class Checked:
                 "file_count": self.file_count, "bytes": self.bytes, "bytes_read": self.bytes_read}
 
 
-def _targets(paths: tuple[str, ...], options: dict) -> list[Storage]:
-    """Checkpoint folders named by ``paths``: a checkpoint, or every checkpoint folder in one.
-    All are located first, so a bad path fails before anything is read."""
+def _targets(paths: tuple[str, ...], options: dict) -> tuple[list[Storage], list[str]]:
+    """Checkpoint folders named by ``paths`` (a checkpoint, or every checkpoint folder in
+    one), and why each path that names none does not: a bad path is reported with the
+    others, never instead of them."""
     out: list[Storage] = []
+    bad: list[str] = []
     for path in paths:
-        place = locate(path, options)
-        out += place.checkpoints()
-    return out
+        try:
+            out += locate(path, options).checkpoints()
+        except (CheckpointError, OSError) as exc:  # StorageError too
+            bad.append(one_line(exc))
+    return out, bad
 
 
 def verify_all(storages: list[Storage], jobs: int, progress: Any = None) -> list[Checked]:
@@ -81,7 +86,7 @@ def verify_all(storages: list[Storage], jobs: int, progress: Any = None) -> list
             progress.advance(task, n)
 
     def check(storage: Storage, manifest: Any, name: str) -> list[str]:
-        reader = TensorReader(_Counting(storage, advance), manifest, verify=True)
+        reader = CheckedFiles(_Counting(storage, advance), manifest)
         try:
             return reader.verify_file(name)
         except CheckpointError as exc:  # unreadable (missing, I/O error): a finding, not a crash
@@ -111,13 +116,15 @@ def verify_command(paths: tuple[str, ...], jobs: int, as_json: bool, storage_opt
     PATH is a checkpoint folder or a run root (then every step folder is checked).
     Exits 0 when all are sound, 1 when any problem is found (each printed with its file
     and tensor), a folder cannot be read, or a checkpoint is of a newer format (this
-    safeckpt cannot check it). A
-    torn save (a step folder without a manifest), an empty or a retired folder is
-    reported but is not a failure."""
+    safeckpt cannot check it), 2 when a PATH names no checkpoint (the others are still
+    checked and reported, that one is an error line). A torn save (a step folder
+    without a manifest), an empty or a retired folder is reported but is not a failure."""
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                TransferSpeedColumn)
 
-    storages = _targets(paths, storage_options(storage_option))
+    storages, bad = _targets(paths, storage_options(storage_option))
+    if not storages:
+        raise CliError("; ".join(bad))
     err = progress_console()
     started = time.monotonic()
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -138,7 +145,9 @@ def verify_command(paths: tuple[str, ...], jobs: int, as_json: bool, storage_opt
                     say(out, f"  - {p}")
         say(out, f"checked {len(results)} checkpoint folder(s), {human_bytes(sum(r.bytes_read for r in results))} "
                  f"read in {seconds:.1f}s: {count_states(r.status for r in results)}")
-    return 1 if any(r.status in _FINDINGS for r in results) else 0
+    for line in bad:  # every path is reported; one that names no checkpoint is bad input
+        print(f"safeckpt: error: {line}", file=sys.stderr)
+    return 2 if bad else 1 if any(r.status in _FINDINGS for r in results) else 0
 
 
 _FINDINGS = (CheckpointState.CORRUPT, CheckpointState.NEWER_FORMAT, CheckpointState.UNREADABLE)  # exit 1

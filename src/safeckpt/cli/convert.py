@@ -3,14 +3,16 @@ torch.save, safetensors, Hugging Face and torch.distributed.checkpoint)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from ..errors import CheckpointExistsError
 from ..interop.export import export_checkpoint
 from ..interop.imports import FORMATS, import_checkpoint
 from ..storage import open as open_storage
-from ._common import (CliError, CountingWrites, parse_value, console, human_bytes, locate, options_for, print_json,
-                      progress_bar, say, storage_option_flag, storage_options, table, text)
+from ._common import (CliError, CountingWrites, parse_value, console, human_bytes, is_url, locate, options_for,
+                      print_json, progress_bar, say, storage_option_flag, storage_options, table, text)
 
 
 @click.command("export")
@@ -40,12 +42,12 @@ def export_command(ckpt: str, out: str, fmt: str, max_shard_size: str | None, se
     for large models). Non-tensor values are not exported."""
     options = storage_options(storage_option)
     source = locate(ckpt, options).one_checkpoint("export")
-    with progress_bar("exporting") as advance:
+    with progress_bar("exporting") as bar:
         result = export_checkpoint(source, out, format=fmt, max_shard_size=max_shard_size,
                                    select=select, strip_prefix=strip_prefix,
                                    out_storage_options=options_for(out, options),
                                    overwrite=overwrite, verify=not no_verify,
-                                   on_tensor=lambda name, n: advance(n))
+                                   on_start=bar.total, on_tensor=lambda name, n: bar.advance(n))
     if as_json:
         print_json({"path": result.folder, "format": fmt,
                     "files": [{"name": f.name, "bytes": f.bytes, "tensor_count": f.tensors} for f in result.files],
@@ -83,6 +85,17 @@ def _metadata(pairs: tuple[str, ...]) -> dict:
     return meta
 
 
+def _local_bytes(src: str) -> int | None:
+    """The size of a local source (its file, or its folder's files): about what an
+    import writes, its progress bar's total. Unknown for a URL (fetched first)."""
+    if is_url(src):
+        return None
+    path = Path(src.removeprefix("file://"))
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) or None
+
+
 @click.command("import")
 @click.argument("src")
 @click.argument("dest")
@@ -106,8 +119,8 @@ def import_command(src: str, dest: str, fmt: str, under: str | None, metadata: t
     options = storage_options(storage_option)
     target = open_storage(dest, **options_for(dest, options))
     try:
-        with progress_bar("importing") as advance:
-            info, detected = import_checkpoint(src, CountingWrites(target, advance),
+        with progress_bar("importing", _local_bytes(src)) as bar:
+            info, detected = import_checkpoint(src, CountingWrites(target, bar.advance),
                                                format=None if fmt == "auto" else fmt, under=under,
                                                overwrite=overwrite, metadata=_metadata(metadata),
                                                src_storage_options=options_for(src, options))

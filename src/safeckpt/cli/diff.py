@@ -12,7 +12,7 @@ import torch
 from ..format import codec
 from ..format.folder import read_committed
 from ..errors import CheckpointError
-from ..interop.export import leaf_values as leaf_values
+from ..format.tree import leaf_values
 from ..interop.export import read_tensors
 from ..format.compact import TableEntry
 from ..format.manifest import Manifest, TensorEntry
@@ -53,7 +53,8 @@ class Diff:
     values: list[dict[str, Any]] = field(default_factory=list)      # plain values added/removed/changed
     info: list[dict[str, Any]] = field(default_factory=list)        # metadata / metrics
     verified: bool = False     # every byte of both read and checked against its checksums first
-    corrupt: list[str] = field(default_factory=list)                # what --verify found
+    corrupt: list[str] = field(default_factory=list)                # what the verification found
+    not_read: int = 0          # identical tensors judged by their checksums alone (not verified)
 
     @property
     def identical(self) -> bool:
@@ -137,10 +138,12 @@ def containers(tree: Any) -> dict[str, str]:
     return out
 
 
-def diff_checkpoints(sa: Storage, sb: Storage, *, atol: float = 0.0, verify: bool = False) -> Diff:
-    """Compare A and B. Tensors with equal block checksums are equal without reading
-    them; ``verify`` first reads both checkpoints in full and checks every checksum
-    (as ``safeckpt verify``), so equal checksums then prove equal bytes on storage."""
+def diff_checkpoints(sa: Storage, sb: Storage, *, atol: float = 0.0, verify: bool = True) -> Diff:
+    """Compare A and B. ``verify`` first reads both checkpoints in full and checks every
+    checksum (as ``safeckpt verify``), so that equal checksums prove equal bytes on
+    storage; then tensors with equal block checksums are equal without reading them
+    again. Without it, such tensors are called equal by their manifests alone
+    (``not_read``): a copy whose bytes rotted would pass."""
     ma, mb = read_committed(sa), read_committed(sb)
     out = Diff(verified=verify)
     if verify:
@@ -163,6 +166,7 @@ def diff_checkpoints(sa: Storage, sb: Storage, *, atol: float = 0.0, verify: boo
                                 "b": {"dtype": b.dtype, "shape": b.shape}})
         elif _same_bytes(a, b, ma, mb):
             out.identical_tensors += 1
+            out.not_read += not verify
         else:
             to_read.append(name)
     # one batch of A and the same batch of B at a time
@@ -202,7 +206,7 @@ def _as_json(d: Diff) -> dict[str, Any]:
         return {"name": x.name, "max_abs_diff": jsonable(x.max_abs_diff), "differing": x.differing,
                 "numel": x.numel}
     return {"identical": d.identical, "verified": d.verified, "corrupt": d.corrupt,
-            "identical_tensors": d.identical_tensors,
+            "identical_tensors": d.identical_tensors, "not_read": d.not_read,
             "differ": [td(x) for x in d.differ], "within_tolerance": [td(x) for x in d.within_tolerance],
             "changed": d.changed, "added": d.added, "removed": d.removed,
             "values": [{k: jsonable(v) for k, v in x.items()} for x in d.values],
@@ -218,19 +222,22 @@ def _shape(e: dict) -> str:
 @click.argument("b")
 @click.option("--atol", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="tensors whose max absolute difference is at most this count as equal")
-@click.option("--verify", is_flag=True,
-              help="first read every byte of both and check every checksum (to check a copy)")
+@click.option("--verify/--no-verify", default=True, show_default=True,
+              help="first read every byte of both and check every checksum, so that a copy whose bytes "
+                   "rotted is found; --no-verify trusts the checksums the manifests record")
 @click.option("--json", "as_json", is_flag=True, help="print the differences as JSON")
 @storage_option_flag
 def diff_command(a: str, b: str, atol: float, verify: bool, as_json: bool, storage_option: tuple[str, ...]) -> int:
     """Compare two checkpoints: tensors that differ (max absolute difference), changed
     shapes or dtypes, added and removed tensors, differing plain values.
 
-    Exits 0 when the saved states are identical, 1 when they differ. Checkpoints saved
-    by different numbers of ranks compare by their full tensors. Metadata and metrics
-    differences are shown but do not count. Tensors with equal checksums are equal
-    without being read; --verify reads both checkpoints in full first and checks every
-    checksum, so a copy whose bytes rotted is found."""
+    Exits 0 when the saved states are identical, 1 when they differ or a checksum
+    fails. Checkpoints saved by different numbers of ranks compare by their full
+    tensors. Metadata and metrics differences are shown but do not count. Both
+    checkpoints are first read in full and every checksum checked (as verify does), so
+    that tensors with equal checksums are then equal on storage too; --no-verify skips
+    that, and such tensors are called equal by their manifests alone (said in the
+    summary)."""
     options = storage_options(storage_option)
     first, second = (locate(p, options).one_checkpoint("compare") for p in (a, b))
     d = diff_checkpoints(first, second, atol=atol, verify=verify)
@@ -261,14 +268,16 @@ def diff_command(a: str, b: str, atol: float, verify: bool, as_json: bool, stora
         say(out, f"close     {x.name}: max abs diff {x.max_abs_diff:.6g} <= --atol {atol:g}")
     for i in d.info:
         say(out, f"note      {i['name']}: {compact(i['a'])} -> {compact(i['b'])}")
-    n_values = len(d.values)
-    summary = (f"{d.identical_tensors} identical tensor(s), {len(d.differ)} differ, {len(d.changed)} changed, "
-               f"{len(d.added)} added, {len(d.removed)} removed; {n_values} value(s) differ")
+    unread = f" ({d.not_read} by their checksums, bytes not read)" if d.not_read else ""
+    close = f", {len(d.within_tolerance)} close (within --atol {atol:g})" if atol else ""
+    summary = (f"{d.identical_tensors} identical tensor(s){unread}{close}, {len(d.differ)} differ, "
+               f"{len(d.changed)} changed, {len(d.added)} added, {len(d.removed)} removed; "
+               f"{len(d.values)} value(s) differ")
     if d.corrupt:
         summary = f"{len(d.corrupt)} problem(s) found reading every byte; nothing compared"
     say(out, "compared: every byte of both read and checked against its checksums, then tensors by checksum "
-        "or value" if d.verified else "compared: tensors with equal checksums by their checksums (not read), "
-        "the others by value; --verify also reads and checks every byte")
+        "or value" if d.verified else "compared: tensors with equal checksums by their checksums alone (--no-verify: "
+        "their bytes were not read), the others by value")
     say(out, ("identical: " if d.identical else "different: ") + summary)
     return 0 if d.identical else 1
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import click
@@ -10,9 +11,9 @@ from ..format.folder import CheckpointState, read_committed
 from ..run.listing import CheckpointStatus, checkpoint_status, list_checkpoints
 from ..format.manifest import Manifest
 from ..storage import Storage
-from ..format.tensors import dtype_from_name, nbytes_of
-from ..interop.export import leaf_values
-from ..format.names import step_of
+from ..format.dtypes import itemsize_of
+from ..format.tree import leaf_values
+from ..format.names import step_folder, step_of
 from ._common import (CliError, Place, compact, console, count_states, decode, human_bytes, iso_time, jsonable,
                       locate, print_json, say, storage_option_flag, storage_options, table, text, when)
 
@@ -48,7 +49,7 @@ def _ignored(place: Place) -> list[str]:
 @storage_option_flag
 def ls_command(root: str, as_json: bool, storage_option: tuple[str, ...]) -> int:
     """List the checkpoints of a run root (its step-NNNNNNNNN folders), or of a folder
-    whose sub-folders are checkpoints (named by their folder where no step was saved): step, time,
+    whose sub-folders are checkpoints (then also named by their folder): step, time,
     the bytes each owns (its own files) and shares (data read from older checkpoints
     of an incremental run), world size, metrics and status (committed, torn save,
     CORRUPT, newer format, empty, retired).
@@ -61,10 +62,12 @@ def ls_command(root: str, as_json: bool, storage_option: tuple[str, ...]) -> int
         print_json(rows)
         return 0
     out = console()
-    t = table("step", "time", "owns", "shares", "world", "metrics", "status",
+    named = any(_name(r) != (None if r["step"] is None else step_folder(r["step"])) for r in rows)
+    t = table(*(("name",) if named else ()), "step", "time", "owns", "shares", "world", "metrics", "status",
               right=("step", "owns", "shares", "world"))
     for r in rows:
-        t.add_row(text(_label(r)), text(when(r["created"])),
+        t.add_row(*((text(_name(r)),) if named else ()), text("-" if r["step"] is None else r["step"]),
+                  text(when(r["created"])),
                   text(human_bytes(r["bytes"])), text(human_bytes(r["shared_bytes"]) if r["shared_bytes"] else "-"),
                   text(r["world_size"] or "-"),
                   text(compact(r["metrics"]) if r["metrics"] else "-"),
@@ -73,7 +76,7 @@ def ls_command(root: str, as_json: bool, storage_option: tuple[str, ...]) -> int
     say(out, f"{len(rows)} checkpoint folder(s) in {root}: {count_states(r['status'] for r in rows)}")
     for r in rows:
         if r["status"] not in (CheckpointState.COMMITTED, CheckpointState.TORN, CheckpointState.RETIRED):
-            say(out, f"  {'' if r['step'] is None else 'step '}{_label(r)}: {'; '.join(r['problems'])}")
+            say(out, f"  {_name(r) if named else 'step ' + str(r['step'])}: {'; '.join(r['problems'])}")
     ignored = _ignored(place)
     if ignored:
         say(out, f"ignored (not step folder names, which are step- and the step zero-padded to 9 digits): "
@@ -81,9 +84,11 @@ def ls_command(root: str, as_json: bool, storage_option: tuple[str, ...]) -> int
     return 0
 
 
-def _label(row: dict[str, Any]) -> str:
-    """A row's step, or its folder's name where no step was saved."""
-    return row["path"].rstrip("/").rpartition("/")[2] if row["step"] is None else str(row["step"])
+def _name(row: dict[str, Any]) -> str:
+    """The name of a row's folder: listed beside the step unless every folder is the
+    step's own (``step-000000100``), so that ``last.ckpt`` and ``epoch=2-step=12.ckpt``,
+    both of step 12, are told apart."""
+    return row["path"].rstrip("/").rpartition("/")[2]
 
 
 def _shape(shape: list[int]) -> str:
@@ -97,13 +102,14 @@ def describe_checkpoint(storage: Storage, m: Manifest, select: str | None) -> di
         if select and not name.startswith(select):
             continue
         tensors.append({"name": name, "dtype": e.dtype, "shape": list(e.shape), "chunks": len(e.chunks),
-                        "bytes": nbytes_of(e.shape, dtype_from_name(e.dtype, name))})
+                        "bytes": math.prod(e.shape) * itemsize_of(e.dtype, name)})
     values = {k: jsonable(decode(v, k)) for k, v in leaf_values(m.tree).items()
               if not select or k.startswith(select)}
     return {"path": storage.url, "step": m.step, "status": CheckpointState.COMMITTED.value, "save_id": m.save_id, "seq": m.seq,
             "format_version": m.version, "created": m.created, "time": iso_time(m.created),
             "world_size": m.world_size, "bytes": m.total_bytes, "shared_bytes": m.shared_bytes(),
-            "files": [{"name": f.name, "bytes": f.size, "rank": f.rank} for f in m.files.values()],
+            "files": [{"name": f.name, "bytes": f.size, "rank": f.rank, "checksum": f.checksum}
+                      for f in m.files.values()],
             "tensors": tensors, "values": values, "metadata": jsonable(m.metadata),
             "metrics": jsonable(m.metrics)}
 
@@ -141,13 +147,22 @@ def show_command(ckpt: str, as_json: bool, select: str | None, storage_option: t
                        ("metrics", compact(info["metrics"], 200) if m.metrics else "-")]:
         head.add_row(text(key), text(value))
     out.print(head)
-    t = table("tensor", "dtype", "shape", "chunks", "size", right=("chunks", "size"),
-              title=f"{len(info['tensors'])} tensor(s), {human_bytes(sum(x['bytes'] for x in info['tensors']))}")
-    for x in info["tensors"]:
-        t.add_row(text(x["name"]), text(x["dtype"]), text(_shape(x["shape"])), text(x["chunks"]),
-                  text(human_bytes(x["bytes"])))
-    out.print()
-    out.print(t)
+    sealed = [f for f in m.files.values() if f.header_size is None]
+    if sealed:  # files another tool wrote, which the manifest seals (safeckpt.seal)
+        f = table("sealed file", "size", "checksum", right=("size",),
+                  title=f"{len(sealed)} sealed file(s), {human_bytes(sum(x.size for x in sealed))}")
+        for x in sealed:
+            f.add_row(text(x.name), text(human_bytes(x.size)), text((x.checksum or "-").partition(":")[0]))
+        out.print()
+        out.print(f)
+    if info["tensors"] or not sealed:
+        t = table("tensor", "dtype", "shape", "chunks", "size", right=("chunks", "size"),
+                  title=f"{len(info['tensors'])} tensor(s), {human_bytes(sum(x['bytes'] for x in info['tensors']))}")
+        for x in info["tensors"]:
+            t.add_row(text(x["name"]), text(x["dtype"]), text(_shape(x["shape"])), text(x["chunks"]),
+                      text(human_bytes(x["bytes"])))
+        out.print()
+        out.print(t)
     if info["values"]:
         v = table("value", "content", title=f"{len(info['values'])} other value(s)")
         for k, node in leaf_values(m.tree).items():

@@ -34,6 +34,14 @@ def checksum(data, algorithm: str = ALGORITHM) -> str:
     return f"{algorithm}:{_HEXDIGEST[algorithm](data)}"
 
 
+def checksum_of(parts: "list[Any]", algorithm: str = ALGORITHM) -> str:
+    """``checksum`` of the bytes of ``parts`` one after another, without joining them."""
+    hasher = _HASHER[algorithm]()
+    for part in parts:
+        hasher.update(part)
+    return f"{algorithm}:{hasher.hexdigest()}"
+
+
 def raw_digest(algorithm: str) -> Callable[[Any], bytes]:
     """The one-shot function giving the raw bytes of ``checksum``'s hex digits (as format
     3's tables store them). It holds the GIL: for many small pieces hashed in a loop on

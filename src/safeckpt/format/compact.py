@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import copy
 import functools
 import itertools
+import json
 import math
 import zlib
 from collections.abc import Iterator, Mapping
@@ -27,7 +29,7 @@ from ..errors import CorruptCheckpointError
 from .pieces import first_seen
 from .plan import Box, PlanError, check_tilings, segments
 from .records import Chunk, TensorEntry
-from .tensors import MAX_DIMS, dtype_from_name
+from .dtypes import MAX_DIMS, itemsize_of
 
 
 ALGORITHM_WIDTH = {"xxh3_64": 8, "xxh3_128": 16}  # digest bytes per block checksum
@@ -139,22 +141,50 @@ class Checksums:
 
     @classmethod
     def join(cls, parts: "list[Checksums]") -> "Checksums":
+        digests = b"".join(p.digests for p in parts)
+        width = {int(p.size[0]) if p.uniform else -1 for p in parts if len(p.size)}
+        if len({tuple(p.algorithms) for p in parts if len(p.size)}) == 1 and len(width) == 1 and -1 not in width:
+            n = sum(len(p.size) for p in parts)  # one algorithm, one width: the common case, nothing to join
+            return cls(next(p.algorithms for p in parts if len(p.size)), _same(0, n), _same(width.pop(), n), digests)
         algorithms: dict[str, int] = {}
         codes = [np.asarray([algorithms.setdefault(a, len(algorithms)) for a in p.algorithms] or [0],
                             dtype=np.int64)[p.algorithm] for p in parts]
         return cls(list(algorithms), np.concatenate(codes or [np.zeros(0, np.int64)]),
-                   np.concatenate([p.size for p in parts] or [np.zeros(0, np.int64)]),
-                   b"".join(p.digests for p in parts))
+                   np.concatenate([p.size for p in parts] or [np.zeros(0, np.int64)]), digests)
+
+    @property
+    def uniform(self) -> bool:
+        """One algorithm and one digest width for every chunk."""
+        return len(self.algorithms) == 1 and _constant(self.size)
 
     def take(self, rows: np.ndarray) -> "Checksums":
-        return Checksums(self.algorithms, self.algorithm[rows], self.size[rows],
-                         _take_ragged(np.frombuffer(self.digests, dtype=np.uint8), self.size, rows).tobytes())
+        digests = _take_ragged(np.frombuffer(self.digests, dtype=np.uint8), self.size, rows).tobytes()
+        if self.uniform:
+            return Checksums(self.algorithms, _same(0, len(rows)), _same(int(self.size[0]), len(rows)), digests)
+        return Checksums(self.algorithms, self.algorithm[rows], self.size[rows], digests)
+
+
+def _constant(a: np.ndarray) -> bool:
+    """A non-empty column of one value (a broadcast one is, by its stride)."""
+    return bool(len(a)) and (a.strides[0] == 0 or bool((a == a[0]).all()))
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return a is b or np.array_equal(a, b)
+
+
+def _same(value: int, n: int) -> np.ndarray:
+    """``n`` times ``value`` as a read-only int64 view (nothing allocated)."""
+    return np.broadcast_to(np.int64(value), (n,))
 
 
 def _take_ragged(flat: np.ndarray, lengths: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """Rows ``rows`` of ``flat``, whose row ``i`` is the next ``lengths[i]`` values."""
-    if len(lengths) and (lengths == lengths[0]).all():  # rows of one length: a reshape
-        return np.take(flat.reshape(len(lengths), int(lengths[0])), rows, axis=0).reshape(-1)
+    if _constant(lengths):  # rows of one length: a reshape
+        width = int(lengths[0])
+        if width == 8 and not flat.size % 8:  # one 8-byte digest per row: one gather of 64-bit words
+            return flat.view(np.uint64)[rows].view(np.uint8)
+        return np.take(flat.reshape(len(lengths), width), rows, axis=0).reshape(-1)
     at = np.concatenate(([0], np.cumsum(lengths)))[:-1].astype(np.int64)
     return flat[segments(at[rows], lengths[rows])]
 
@@ -213,6 +243,7 @@ class TableBuilder:
         self.c_offsets: list[Any] = []
         self.c_shape: list[Any] = []
         self.aliases: list[tuple[int, int]] = []  # (tied tensor, the tensor it is tied to)
+        self.source = np.zeros(0, dtype=np.int64)  # see build
 
     def tensor(self, name: str, dtype: str, shape: Any, tied_to: str | None = None) -> int:
         """The index of tensor ``name``, added on first sight."""
@@ -268,41 +299,54 @@ class TableBuilder:
             src = self.index[first]
             self.aliases.append((self.tensor(name, self.dtypes[self.t_dtype[src]], self.t_shape[src], first), src))
 
-    def _with_aliases(self, chunks: ChunkColumns) -> ChunkColumns:
-        """Every alias given the chunks of its tensor, appended alias after alias."""
+    def _with_aliases(self, chunks: ChunkColumns) -> tuple[ChunkColumns, np.ndarray]:
+        """Every alias given the chunks of its tensor, appended alias after alias; and
+        the chunk each row is (a copy of)."""
         order = np.argsort(chunks.tensor, kind="stable")
         counts = np.bincount(chunks.tensor, minlength=len(self.names))
         first = np.concatenate(([0], np.cumsum(counts)))
         alias, src = (np.asarray(c, dtype=np.int64) for c in zip(*self.aliases))
-        copies = chunks.take(order[segments(first[src], counts[src])])
+        copied = order[segments(first[src], counts[src])]
+        copies = chunks.take(copied)
         copies.tensor = np.repeat(alias, counts[src])
-        return ChunkColumns.join([chunks, copies])
+        return ChunkColumns.join([chunks, copies]), np.concatenate((np.arange(len(chunks.tensor)), copied))
 
     def build(self, file_names: list[str], block_size: int) -> "TensorTable":
         """The table, its chunks naming files by their position in ``file_names`` (the
-        manifest's ``files``)."""
+        manifest's ``files``). ``source`` is then, for each of its chunk rows, the
+        chunk added (in the order added) that it holds: a table of the same layout is
+        ``refill``ed from new chunks added in that order."""
         self._flush()
         chunks = ChunkColumns.join(self.parts)
+        self.source = np.arange(len(chunks.tensor), dtype=np.int64)
         if self.aliases:
-            chunks = self._with_aliases(chunks)
+            chunks, self.source = self._with_aliases(chunks)
         if (chunks.tensor[1:] < chunks.tensor[:-1]).any():  # tensor after tensor (rank 0 adds them so)
-            chunks = chunks.take(np.argsort(chunks.tensor, kind="stable"))
+            by_tensor = np.argsort(chunks.tensor, kind="stable")
+            chunks, self.source = chunks.take(by_tensor), self.source[by_tensor]
         file_index = {n: i for i, n in enumerate(file_names)}
         files = np.asarray([file_index[f] for f in chunks.files] or [0], dtype=np.int64)
-        sums = chunks.sums
-        used = first_seen(sums.algorithm, len(sums.algorithms))  # the algorithms in order of first use
-        relabel = np.zeros(len(sums.algorithms) or 1, dtype=np.int64)
-        relabel[used] = np.arange(len(used))
+        algorithms, c_alg = _used_algorithms(chunks.sums)
         ndim = np.asarray([len(s) for s in self.t_shape], dtype=np.int64)
         tied = [-1 if t is None else self.index[t] for t in self.t_tied]
         return TensorTable(
-            self.names, self.dtypes, [sums.algorithms[k] for k in used.tolist()], list(file_names), block_size,
+            self.names, self.dtypes, algorithms, list(file_names), block_size,
             t_dtype=np.asarray(self.t_dtype, dtype=np.int64), t_ndim=ndim,
             t_chunks=np.bincount(chunks.tensor, minlength=len(self.names)).astype(np.int64),
             t_tied=np.asarray(tied, dtype=np.int64),
             shape=np.fromiter(itertools.chain.from_iterable(self.t_shape), dtype=np.int64, count=int(ndim.sum())),
             c_file=files[chunks.file], c_start=chunks.start, c_length=chunks.end - chunks.start,
-            c_alg=relabel[sums.algorithm], offsets=chunks.offsets, box=chunks.shape, digests=sums.digests)
+            c_alg=c_alg, offsets=chunks.offsets, box=chunks.shape, digests=chunks.sums.digests)
+
+
+def _used_algorithms(sums: Checksums) -> tuple[list[str], np.ndarray]:
+    """The checksum algorithms ``sums`` uses, in order of first use, and each chunk's."""
+    if len(sums.algorithms) == 1 and len(sums.algorithm):  # the common case: one algorithm, used
+        return list(sums.algorithms), _same(0, len(sums.algorithm))
+    used = first_seen(sums.algorithm, len(sums.algorithms))
+    relabel = np.zeros(len(sums.algorithms) or 1, dtype=np.int64)
+    relabel[used] = np.arange(len(used))
+    return [sums.algorithms[k] for k in used.tolist()], relabel[sums.algorithm]
 
 
 def from_entries(tensors: Mapping[str, "TensorEntry | TableEntry"], file_names: list[str], block_size: int) -> "TensorTable":
@@ -335,6 +379,7 @@ class TensorTable(Mapping[str, "TableEntry"]):
         self.t_dtype, self.t_ndim, self.t_chunks, self.t_tied = t_dtype, t_ndim, t_chunks, t_tied
         self.shape, self.c_file, self.c_start, self.c_length, self.c_alg = shape, c_file, c_start, c_length, c_alg
         self.offsets, self.box, self.digests = offsets, box, digests
+        self.packed: dict[tuple[str, int], tuple[np.ndarray, str]] = {}  # see _packed
         self.index = {n: i for i, n in enumerate(names)}
         self.first = np.concatenate(([0], np.cumsum(t_chunks))).astype(np.int64)
         self.shape_at = np.concatenate(([0], np.cumsum(t_ndim))).astype(np.int64)
@@ -446,6 +491,25 @@ class TensorTable(Mapping[str, "TableEntry"]):
         return {n: TensorEntry(e.dtype, list(e.shape), e.chunks, e.tied_to)
                 for n, e in ((n, TableEntry(self, i)) for i, n in enumerate(self.names))}
 
+    def refill(self, file_names: list[str], start: np.ndarray, length: np.ndarray, sums: Checksums) -> "TensorTable":
+        """A table of the same tensors, boxes and files (by position) whose chunks now
+        hold ``length`` bytes from ``start`` with checksums ``sums`` (one entry per chunk
+        row, in this table's order): the next save of an unchanged layout. Columns that
+        did not change keep their stored form (``encode`` packs them once)."""
+        algorithms, c_alg = _used_algorithms(sums)
+        if algorithms != self.algorithms or not _equal(c_alg, self.c_alg) \
+                or not _equal(length, self.c_length):  # another layout of bytes: derive it all
+            table = TensorTable(self.names, self.dtypes, algorithms, list(file_names), self.block_size,
+                                t_dtype=self.t_dtype, t_ndim=self.t_ndim, t_chunks=self.t_chunks,
+                                t_tied=self.t_tied, shape=self.shape, c_file=self.c_file, c_start=start,
+                                c_length=length, c_alg=c_alg, offsets=self.offsets, box=self.box,
+                                digests=sums.digests)
+            table.packed = self.packed
+            return table
+        table = copy.copy(self)  # what is derived from the tensors, boxes and lengths holds as it is
+        table.file_names, table.c_start, table.digests = list(file_names), start, sums.digests
+        return table
+
     def with_files(self, file_names: list[str]) -> "TensorTable":
         """The same table for a manifest whose files are ``file_names`` (a superset)."""
         if file_names == self.file_names:
@@ -482,18 +546,45 @@ class TensorTable(Mapping[str, "TableEntry"]):
 
     # -- storage form ----------------------------------------------------------------
     def encode(self) -> dict[str, Any]:
-        """The stored form (§6.4). Columns that would inflate to more than a reader
-        accepts for the manifest's length (many high-dimensional boxes deflate far) are
-        stored uncompressed, which always fits."""
+        """The stored form (§6.4)."""
+        packed, digests = self._stored()
+        return {"names": self.names, "dtypes": self.dtypes, "algorithms": self.algorithms, "columns": packed,
+                "digests": digests.decode("ascii")}
+
+    def encode_parts(self) -> list[bytes]:
+        """``encode()`` as JSON, as ``json.dumps(..., separators=(",", ":"))`` writes it,
+        in parts: the long base64 strings (they need no escaping) go in as they are, not
+        scanned or copied into one text (for millions of pieces that cost more than
+        the rest of an encoding)."""
+        packed, digests = self._stored()
+        head = json.dumps({"names": self.names, "dtypes": self.dtypes, "algorithms": self.algorithms},
+                          separators=(",", ":"))
+        columns = ",".join(f'"{k}":"{v}"' for k, v in packed.items())
+        return [f'{head[:-1]},"columns":{{{columns}}},"digests":"'.encode(), digests, b'"}']
+
+    def _stored(self) -> tuple[dict[str, str], bytes]:
+        """The packed columns and the base64 of the digests. Columns that would inflate
+        to more than a reader accepts for the manifest's length (many high-dimensional
+        boxes deflate far) are stored uncompressed, which always fits."""
         columns = {"dtype": self.t_dtype, "ndim": self.t_ndim, "chunks": self.t_chunks, "tied": self.t_tied,
                    "shape": self.shape, "file": self.c_file, "start": self.c_start, "length": self.c_length,
                    "algorithm": self.c_alg, "offsets": self.offsets, "box": self.box}
-        digests = base64.b64encode(self.digests).decode("ascii")
-        packed = {k: pack(v) for k, v in columns.items()}
+        digests = base64.b64encode(self.digests)
+        packed = {k: self._packed(k, v, 1) for k, v in columns.items()}
         if 8 * sum(len(v) for v in columns.values()) > INFLATE_RATIO * (len(digests) + sum(map(len, packed.values()))):
-            packed = {k: pack(v, level=0) for k, v in columns.items()}
-        return {"names": self.names, "dtypes": self.dtypes, "algorithms": self.algorithms, "columns": packed,
-                "digests": digests}
+            packed = {k: self._packed(k, v, 0) for k, v in columns.items()}
+        return packed, digests
+
+    def _packed(self, name: str, values: np.ndarray, level: int) -> str:
+        """``pack(values, level)``, remembered: a refilled table (``refill``) shares the
+        columns that did not change (tables never change a column in place), and
+        packing them again is most of an encoding."""
+        known = self.packed.get((name, level))
+        if known is not None and _equal(known[0], values):
+            return known[1]
+        text = pack(values, level)
+        self.packed[(name, level)] = (values, text)
+        return text
 
 
 class TableEntry:
@@ -549,7 +640,7 @@ def decode_table(raw: Any, files: Mapping[str, Any], block_size: int, where: str
     _need(isinstance(names, list) and all(type(n) is str for n in names), where, "names are not strings")
     _need(len(set(names)) == len(names), where, "a tensor name is listed twice")
     _need(isinstance(dtypes, list) and isinstance(algorithms, list), where, "bad dtype or algorithm list")
-    itemsizes = np.asarray([dtype_from_name(d, f"{where}: tensor table").itemsize for d in dtypes] or [1],
+    itemsizes = np.asarray([itemsize_of(d, f"{where}: tensor table") for d in dtypes] or [1],
                            dtype=np.int64)
     _need(all(a in ALGORITHM_WIDTH for a in algorithms), where, f"unknown checksum algorithm in {algorithms!r}")
     digests = _digests(raw["digests"], where)

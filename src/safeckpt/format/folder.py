@@ -17,7 +17,7 @@ from ..storage import Storage
 from . import manifestcache
 from .manifest import Manifest
 from .states import CheckpointState
-from .names import DATA_RE, RETIRED as RETIRED_MARKER, is_shared, manifest_seq, shared_location, step_of
+from .names import DATA_RE, RETIRED as RETIRED_MARKER, is_shared, manifest_seq, shared_location, step_folder, step_of
 
 
 _RETIRED_WHY = "deleted by retention; holds data later checkpoints share"
@@ -65,6 +65,28 @@ def step_folders(root: Storage) -> list[int]:
                   if size is None and (step := step_of(name)) is not None)
 
 
+def step_state(root: Storage, step: int) -> FolderState:
+    """The state of a run root's folder of ``step`` (see ``as_step``)."""
+    folder = root.child(step_folder(step))
+    return as_step(folder_state(folder), folder.url, step)
+
+
+def as_step(found: FolderState, url: str, step: int | None) -> FolderState:
+    """``found``, the state of the folder ``url``, as the folder of ``step``: a checkpoint
+    of another step (a folder copied or renamed by hand) is not a checkpoint of this one
+    (corrupt, saying which step it holds). ``step`` None: any step."""
+    if step is not None and found.manifest is not None and found.manifest.step not in (None, step):
+        return FolderState(CheckpointState.CORRUPT, problem=(
+            f"{url} holds the checkpoint of step {found.manifest.step}, not of step {step} (copied or "
+            "renamed by hand?); it counts for nothing here"))
+    return found
+
+
+def committed_steps(root: Storage) -> dict[int, Manifest]:
+    """Step -> manifest of every committed checkpoint of a run root (by ``step_state``)."""
+    return {s: m for s in step_folders(root) if (m := step_state(root, s).manifest) is not None}
+
+
 def manifest_seqs(listing: dict[str, int | None]) -> list[tuple[int, str]]:
     """(sequence, name) of every manifest file in a listing, highest first (a folder
     with a manifest's name is not one)."""
@@ -107,8 +129,8 @@ def read_committed(storage: Storage, listing: dict[str, int | None] | None = Non
         listing = storage.listdir()
     seqs = manifest_seqs(listing)
     if not seqs:
-        what = ("it is a file, not a checkpoint folder" if _is_file(storage) else "the folder is empty or missing") \
-            if not listing else "it has no manifest (a save that never committed, or not a safeckpt checkpoint)"
+        what = _nothing_listed(storage) if not listing else \
+            "it has no manifest (a save that never committed, or not a safeckpt checkpoint)"
         raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: {what}")
     problems = []
     for seq, name in seqs:
@@ -130,13 +152,20 @@ def read_committed(storage: Storage, listing: dict[str, int | None] | None = Non
     raise CorruptCheckpointError(f"no valid manifest in {storage.url}: " + "; ".join(problems))
 
 
-def _is_file(storage: Storage) -> bool:
-    """Whether the path names a file (``load_state("trainer.pt")``): its parent lists it
-    with a size. Asked only when the folder lists empty, on any backend."""
+_ABSENT = object()
+
+
+def _nothing_listed(storage: Storage) -> str:
+    """Why a path lists nothing, in words: it names a file (``load_state("trainer.pt")``),
+    an empty folder, or nothing at all, as its parent's listing says (on an object store
+    an empty folder does not exist). Asked only to word an error, on any backend."""
     try:
-        return storage.parent().listdir().get(storage.url.rstrip("/").rpartition("/")[2]) is not None
+        found = storage.parent().listdir().get(storage.url.rstrip("/").rpartition("/")[2], _ABSENT)
     except Exception:  # noqa: BLE001 - only to choose the words of an error
-        return False
+        return "the folder is empty or missing"
+    if found is _ABSENT:
+        return "there is no such folder"
+    return "the folder is empty" if found is None else "it is a file, not a checkpoint folder"
 
 
 def retire(storage: Storage, keep: Manifest | None, spare: "set[str] | frozenset[str]" = frozenset()) -> None:

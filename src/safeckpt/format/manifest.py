@@ -12,19 +12,20 @@ import dataclasses
 import json
 import math
 import re
+import secrets
 from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any
 
-from . import codec
-from .checksum import ALGORITHM, BLOCK_SIZE, checksum, is_checksum
+from .tree import check_tree, child_key, decode_value, items_of, tag_of
+from .checksum import ALGORITHM, BLOCK_SIZE, checksum, checksum_of, is_checksum
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from .names import MANIFEST_RE, is_shared, manifest_name, manifest_seq, root_path, shared_location, step_of  # noqa: F401
 from .records import Chunk, FileEntry, TensorEntry  # noqa: F401 - the manifest's parts
 from .compact import TableEntry, TensorTable, decode_table, from_entries, tie_error
 from . import transformed as stored_as
 from .plan import PlanError, check_coverage
-from .tensors import dtype_from_name, is_shape
+from .dtypes import is_shape, itemsize_of
 
 FORMAT_VERSION = 4  # 2: incremental manifests (files of sibling checkpoints, xxh3_128 chunks); 3: tensor tables;
 # 4: tensors stored through stream transforms (``transformed``)
@@ -82,6 +83,7 @@ class Manifest:
     metrics: dict[str, Any] = field(default_factory=dict)
     block_size: int = BLOCK_SIZE
     run_id: str | None = None  # the CheckpointManager run that wrote it (retention scope)
+    durable_root: str | None = None  # a local tier's save: the durable root it belongs to (its URL)
     version: int = 1  # saves write WRITE_VERSION; seal keeps the version it found
     dcp: DcpRecord | None = None  # written by safeckpt.dcp.Writer
 
@@ -122,7 +124,9 @@ def _no_tensors(key: str, t: Any) -> Any:
 
 def encode_values(values: dict[str, Any], what: str) -> Any:
     """Metadata and metrics go through the restricted codec (nan, tuples, int keys)."""
-    return codec.encode(values, what, _no_tensors, lambda k, v: v, allow_pickle=False)
+    from .codec import encode  # imports torch, which decoding a manifest never needs
+
+    return encode(values, what, _no_tensors, lambda k, v: v, allow_pickle=False)
 
 
 def encode_manifest(m: Manifest) -> bytes:
@@ -131,12 +135,14 @@ def encode_manifest(m: Manifest) -> bytes:
     if transformed and m.version < stored_as.TRANSFORMED_VERSION:
         raise ValueError(f"a manifest with transformed tensors is format {stored_as.TRANSFORMED_VERSION}, "
                          f"not {m.version}")
+    table = from_entries(tensors, list(m.files), m.block_size).encode_parts() if m.version >= 3 else None
+    stand_in = f"table-{secrets.token_hex(16)}"  # the table's text goes where this string is
     body = {
         "format_version": m.version, "save_id": m.save_id, "seq": m.seq, "created": m.created,
         "world_size": m.world_size, "step": m.step, "block_size": m.block_size, "run_id": m.run_id,
         "metadata": encode_values(m.metadata, "metadata"), "metrics": encode_values(m.metrics, "metrics"),
         "files": [{k: v for k, v in vars(f).items() if v is not None} for f in m.files.values()],
-        "tensors": from_entries(tensors, list(m.files), m.block_size).encode() if m.version >= 3 else
+        "tensors": stand_in if table is not None else
                    {name: {"dtype": t.dtype, "shape": t.shape, "chunks": [vars(c) for c in t.chunks],
                            **({"tied_to": t.tied_to} if t.tied_to else {})}
                     for name, t in tensors.items()},
@@ -144,14 +150,22 @@ def encode_manifest(m: Manifest) -> bytes:
     }
     if transformed:
         body["transformed"] = transformed
+    if m.durable_root is not None:
+        body["durable_root"] = m.durable_root
     if m.dcp is not None:
         body["dcp"] = {"items": m.dcp.items, "planner_data": m.dcp.planner_data, "bytesio": m.dcp.bytesio}
-    return frame(json.dumps(body, separators=(",", ":"), allow_nan=False).encode())
+    text = json.dumps(body, separators=(",", ":"), allow_nan=False)
+    if table is None:
+        return frame(text.encode())
+    before, after = text.split(f'"{stand_in}"', 1)
+    return frame([before.encode(), *table, after.encode()])
 
 
-def frame(raw: bytes) -> bytes:
-    """A manifest's bytes on storage: the JSON body ``raw`` in its self-checksummed frame."""
-    return _PREFIX + raw + f',"checksum":"{checksum(raw)}"}}\n'.encode()
+def frame(raw: "bytes | list[bytes]") -> bytes:
+    """A manifest's bytes on storage: the JSON body ``raw`` (or the parts it is made of,
+    joined once, here) in its self-checksummed frame."""
+    parts = [raw] if isinstance(raw, (bytes, bytearray)) else raw
+    return b"".join([_PREFIX, *parts, f',"checksum":"{checksum_of(parts)}"}}\n'.encode()])
 
 
 def _need(cond: bool, where: str, what: str) -> None:
@@ -257,7 +271,7 @@ def _decode_tensors(saved: Any, files: dict[str, FileEntry], block: int, where: 
         dtype, shape = t["dtype"], t["shape"]
         itemsize = itemsizes.get(dtype) if type(dtype) is str else None
         if itemsize is None:
-            itemsize = itemsizes[dtype] = dtype_from_name(dtype, f"{where}: tensor {name!r}").itemsize
+            itemsize = itemsizes[dtype] = itemsize_of(dtype, f"{where}: tensor {name!r}")
         if not is_shape(shape, itemsize):
             raise CorruptCheckpointError(f"{where}: tensor {name!r}: bad shape {str(shape)[:100]}")
         chunks = [_decode_chunk(c, name, shape, itemsize, files, block, where) for c in t["chunks"]]
@@ -291,19 +305,21 @@ def _decode_body(body: dict, where: str, length: int) -> Manifest:
         tensors = stored_as.decode(tensors, body["transformed"], where)
     step, world, run_id = body.get("step"), body["world_size"], body.get("run_id")
     _need(run_id is None or isinstance(run_id, str), where, f"bad run_id {run_id!r}")
+    durable_root = body.get("durable_root")
+    _need(durable_root is None or isinstance(durable_root, str), where, f"bad durable_root {durable_root!r}")
     _need(step is None or _is_int(step), where, f"bad step {step!r}")
     _need(_is_int(world, 1), where, f"bad world_size {world!r}")
     _need(isinstance(body["save_id"], str) and _is_int(body["seq"], 1)
           and type(body["created"]) in (int, float), where, "bad save_id, seq or created")
     tree = body["tree"]
-    codec.check_tree(tree, where, tensors)
+    check_tree(tree, where, tensors)
     dcp = _decode_dcp(body["dcp"], where) if body.get("dcp") is not None else None
     if dcp is not None:
         dcp_nodes(dcp, tree, where)
     return Manifest(
         save_id=body["save_id"], seq=body["seq"], created=float(body["created"]), world_size=world,
         files=files, tensors=tensors, tree=tree, step=step, block_size=block, run_id=run_id,
-        metadata=decode_values(body.get("metadata") or {}, "metadata", where),
+        durable_root=durable_root, metadata=decode_values(body.get("metadata") or {}, "metadata", where),
         metrics=decode_values(body.get("metrics") or {}, "metrics", where), version=body["format_version"],
         dcp=dcp)
 
@@ -324,11 +340,11 @@ MAPPING_TAGS = ("object", "$dict", "$odict")
 def children(node: Any, where: str) -> dict:
     """The children of a container node of a tree by key as DCP names path parts: a
     mapping's keys as strings, a list's or tuple's items by index."""
-    tag = codec.tag_of(node)
+    tag = tag_of(node)
     if tag in MAPPING_TAGS:
-        return {str(k): v for k, v in codec.items_of(node, where, False)}
+        return {str(k): v for k, v in items_of(node, where, False)}
     if tag in ("list", "$tuple"):
-        return dict(codec.items_of(node, where, False))
+        return dict(items_of(node, where, False))
     raise CorruptCheckpointError(f"{where}: expected a container")
 
 
@@ -347,7 +363,7 @@ def dcp_nodes(record: DcpRecord, tree: Any, where: str) -> dict[str, Any]:
             if part not in kids:
                 raise CorruptCheckpointError(f"{where}: dcp item {fqn!r}: its path {list(path)} is not in the tree")
             node = kids[part]
-        if codec.tag_of(node) == "$local" or (fqn in record.bytesio and not (
+        if tag_of(node) == "$local" or (fqn in record.bytesio and not (
                 isinstance(node, dict) and list(node) == ["$bytes"])):
             raise CorruptCheckpointError(f"{where}: dcp item {fqn!r} is listed as "
                                          f"{'an io.BytesIO' if fqn in record.bytesio else 'an item'}, but the tree "
@@ -358,7 +374,7 @@ def dcp_nodes(record: DcpRecord, tree: Any, where: str) -> dict[str, Any]:
 
 def decode_values(node: Any, what: str, where: str) -> dict[str, Any]:
     """Inverse of ``encode_values``; ``where`` names the manifest in errors."""
-    _need(codec.tag_of(node) in ("object", "$dict", "$odict"), where, f"{what} is not a mapping")
-    codec.check_tree(node, f"{where}: {what}", (), plain=True)
-    items = codec.items_of(node, what, allow_pickle=False)
-    return {k: codec.decode_value(v, codec.child_key(what, k)) for k, v in items}
+    _need(tag_of(node) in ("object", "$dict", "$odict"), where, f"{what} is not a mapping")
+    check_tree(node, f"{where}: {what}", (), plain=True)
+    items = items_of(node, what, allow_pickle=False)
+    return {k: decode_value(v, child_key(what, k)) for k, v in items}

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError, UnsafeObjectError
+from ..errors import UnsafeObjectError
+from .dtypes import QUANTIZED, torch_dtypes, unknown_dtype
 
 # safetensors' names for the dtypes it knows; other dtypes are stored as raw "U8".
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -23,8 +23,7 @@ for _name, _code in (("float8_e4m3fnuz", "F8_E4M3FNUZ"), ("float8_e5m2fnuz", "F8
         SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
 
 
-QUANTIZED_DTYPES = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
-MAX_DIMS = 64  # NumPy's limit, through which tensor bytes are viewed
+QUANTIZED_DTYPES = {getattr(torch, name) for name in QUANTIZED}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -44,7 +43,7 @@ _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch
                  torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128}
 
 
-_LOADABLE = {n: d for n, d in _DTYPES.items() if d not in QUANTIZED_DTYPES}
+_LOADABLE = torch_dtypes()
 
 
 def dtype_from_name(name: str, where: str) -> torch.dtype:
@@ -52,22 +51,8 @@ def dtype_from_name(name: str, where: str) -> torch.dtype:
     stored) mean a corrupt or newer checkpoint."""
     dtype = _LOADABLE.get(name) if type(name) is str else None
     if dtype is None:
-        raise CorruptCheckpointError(
-            f"{where}: unknown dtype {name!r} (a newer torch or safeckpt wrote it, or it is corrupt)")
+        raise unknown_dtype(name, where)
     return dtype
-
-
-def is_shape(shape: Any, itemsize: int = 1) -> bool:
-    """A list of at most ``MAX_DIMS`` dimensions (ints >= 0) that torch can allocate: the
-    product of the dimensions (empty ones counted as 1) times ``itemsize`` fits in int64."""
-    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
-        return False
-    n = itemsize
-    for d in shape:
-        if type(d) is not int or d < 0:
-            return False
-        n *= max(d, 1)
-    return n < 2**63
 
 
 def nbytes_of(shape: list[int] | tuple[int, ...], dtype: torch.dtype) -> int:

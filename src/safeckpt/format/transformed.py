@@ -21,7 +21,7 @@ from ..errors import CorruptCheckpointError
 from .compact import TableEntry, TensorTable
 from .plan import PlanError, check_coverage, volume
 from .records import Chunk, TensorEntry
-from .tensors import dtype_from_name, is_shape
+from .dtypes import is_shape, itemsize_of
 
 TRANSFORMED_VERSION = 4  # the format version a manifest with transformed tensors declares
 STORED_DTYPE = "uint8"
@@ -116,7 +116,7 @@ def decode(table: Mapping[str, TensorEntry | TableEntry], raw: Any, where: str) 
               and stored.tied_to is None, where, name, "not a 1-D uint8 tensor of the table")
         assert stored is not None  # checked just above
         _need(isinstance(rec, dict) and type(rec.get("dtype")) is str, where, name, "malformed entry")
-        itemsize = dtype_from_name(rec["dtype"], f"{where}: transformed tensor {name!r}").itemsize
+        itemsize = itemsize_of(rec["dtype"], f"{where}: transformed tensor {name!r}")
         shape, transforms, boxes = rec.get("shape"), rec.get("transforms"), rec.get("chunks")
         _need(is_shape(shape, itemsize), where, name, f"bad shape {str(shape)[:100]}")
         assert isinstance(shape, list)  # is_shape checked it

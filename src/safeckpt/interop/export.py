@@ -24,10 +24,10 @@ from typing import Any, Callable, Iterable, Iterator, cast
 import torch
 
 from ..errors import CleanupWarning, warn
-from ..format import codec
+from ..format.tree import leaf_values
 from . import hflayout
 from ..format.folder import read_committed
-from ..errors import (CheckpointError, CheckpointExistsError, UnsafeObjectError)
+from ..errors import CheckpointError, CheckpointExistsError, StorageError
 from ..format.manifest import Manifest
 from ..protocol.reader import TensorReader
 from ..protocol.state import Read
@@ -37,7 +37,7 @@ from ..format.tensors import SAFETENSORS_DTYPES, byte_view, dtype_from_name, nby
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExportError", "ExportResult", "ExportedFile", "export_checkpoint", "leaf_values", "parse_size",
+__all__ = ["ExportError", "ExportResult", "ExportedFile", "export_checkpoint", "parse_size",
            "plan_shards", "read_tensors"]
 
 READ_BATCH = 64 << 20  # tensors read together (adjacent chunks coalesce into one request)
@@ -306,6 +306,29 @@ class _Output:
                      CleanupWarning)
 
 
+_ABSENT = object()
+
+
+def _no_file_in_the_way(storage: Storage) -> None:
+    """Refuse, before anything is written, an output folder that is a file or lies below
+    one (the first write would fail, and so would removing what it wrote)."""
+    here = storage
+    while True:
+        try:
+            parent = here.parent()
+        except StorageError:
+            return
+        if parent.url == here.url:
+            return
+        found = parent.listdir().get(here.url.rstrip("/").rpartition("/")[2], _ABSENT)
+        if found is None:  # a folder, and so are those above it
+            return
+        if found is not _ABSENT:
+            where = "it is" if here is storage else f"{here.url} is"
+            raise ExportError(f"cannot export into {storage.url}: {where} a file, not a folder")
+        here = parent
+
+
 def _write(storage: Storage, name: str, parts: Iterable[bytes | memoryview]) -> int:
     try:
         return storage.write_file(name, parts)
@@ -319,6 +342,7 @@ def export_checkpoint(ckpt: "str | os.PathLike[str] | Storage", out: "str | os.P
                       select: str | None = None, strip_prefix: bool = False,
                       storage_options: dict | None = None, out_storage_options: dict | None = None,
                       overwrite: bool = False, verify: bool = True,
+                      on_start: Callable[[int], None] | None = None,
                       on_tensor: Callable[[str, int], None] | None = None) -> ExportResult:
     """Consolidate the checkpoint at ``ckpt`` into standard files at ``out``.
 
@@ -330,7 +354,8 @@ def export_checkpoint(ckpt: "str | os.PathLike[str] | Storage", out: "str | os.P
     removes it from the exported names. Non-tensor values are not exported (these
     formats hold only tensors); their count is in the result. ``storage_options`` go to
     whichever of ``ckpt`` and ``out`` is a URL (``out_storage_options``, if given, to
-    ``out``). ``on_tensor(name, bytes)`` is called after each tensor is written."""
+    ``out``). ``on_start(bytes)`` is called with the bytes of tensor data to write once
+    they are known, ``on_tensor(name, bytes)`` after each tensor is written."""
     if format not in ("safetensors", "torch"):
         raise ExportError(f"unknown export format {format!r} (use 'safetensors' or 'torch')")
     if strip_prefix and not select:
@@ -357,6 +382,8 @@ def export_checkpoint(ckpt: "str | os.PathLike[str] | Storage", out: "str | os.P
     target = _target(os.fspath(out), format, limit is not None)
     storage = open_storage(target.folder, **options_for(
         target.folder, out_storage_options if out_storage_options is not None else storage_options))
+    if not is_remote(target.folder):
+        _no_file_in_the_way(storage)
     groups = plan_shards(sizes, limit) if limit is not None else [names]
     if len(groups) == 1:
         file_names = [target.single_name or f"{target.shard_stem}{target.shard_suffix}"]
@@ -379,6 +406,8 @@ def export_checkpoint(ckpt: "str | os.PathLike[str] | Storage", out: "str | os.P
 
     written: list[ExportedFile] = []
     total = sum(size_of.values())
+    if on_start is not None:
+        on_start(total)
     with _Output(storage, staged, stale) as output:
         for group, file_name in zip(groups, file_names):
             if format == "safetensors":
@@ -399,46 +428,3 @@ def export_checkpoint(ckpt: "str | os.PathLike[str] | Storage", out: "str | os.P
     skipped = sum(1 for k in leaf_values(manifest.tree) if not select or k.startswith(select))
     return ExportResult(storage.url, written, index, len(names), total, skipped,
                         {out_names[a]: out_names[k] for a, k in ties.items()}, config_name)
-
-
-def leaf_values(tree: Any) -> dict[str, Any]:
-    """Every non-tensor value of a saved tree by its dotted name, still encoded (so two
-    checkpoints compare by their JSON). A list or tuple of plain values is one value, and
-    so is an empty container; rank-local values are named ``key@rank`` like rank-local
-    tensors."""
-    out: dict[str, Any] = {}
-
-    def walk(node: Any, key: str) -> None:
-        tag = codec.tag_of(node)
-        if tag == "$tensor":
-            return
-        if tag == "$local":
-            for rank, child in enumerate(node["$local"]):
-                walk(child, f"{key}@{rank}")
-            return
-        if tag is None or tag in ("$set", "$frozenset") or (tag in ("list", "$tuple", "$size")
-                                                             and not _has_tensor(node)):
-            out[key or "<root>"] = node  # a leaf, or a sequence of plain values: one value
-            return
-        try:
-            items = codec.items_of(node, key, False)
-        except UnsafeObjectError:
-            out[key or "<root>"] = node  # a mapping with pickled keys
-            return
-        if not items and key:
-            out[key] = node
-        for k, child in items:
-            walk(child, codec.child_key(key, k))
-
-    walk(tree, "")
-    return out
-
-
-def _has_tensor(node: Any) -> bool:
-    """True when an encoded sequence holds a tensor or a mapping (shown item by item)."""
-    tag = codec.tag_of(node)
-    if tag in ("$tensor", "$local", "object", "$dict", "$odict"):
-        return True
-    if tag in ("list", "$tuple", "$size"):
-        return any(_has_tensor(n) for n in (node if tag == "list" else node[tag]))
-    return False

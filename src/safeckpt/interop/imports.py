@@ -34,7 +34,9 @@ from ..errors import (CheckpointError, CheckpointNotFoundError,
                      CorruptCheckpointError, UnsafeObjectError)
 from ..format.plan import PlanError, check_coverage
 from ..storage import Storage, is_remote
-from ..format.tensors import SAFETENSORS_DTYPES, is_shape, nbytes_of
+from ..storage.urls import install_hint, url_scheme
+from ..format.dtypes import is_shape
+from ..format.tensors import SAFETENSORS_DTYPES, nbytes_of
 
 from .export import ExportError, options_for
 
@@ -354,7 +356,7 @@ def _fetch(url: str, tmp: str, storage_options: dict) -> str:
     try:
         import fsspec
     except ImportError as exc:
-        raise ExportError(f"importing from {url} needs fsspec: pip install 'safeckpt[s3]'") from exc
+        raise ExportError(f"importing from {url} needs fsspec: {install_hint(url_scheme(url))}") from exc
     from ..storage.fsspec import object_store_error
     try:
         fs, path = fsspec.core.url_to_fs(url, **storage_options)

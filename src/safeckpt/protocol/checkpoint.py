@@ -26,7 +26,8 @@ from ..errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from .group import resolve
 from ..format.manifest import (Manifest, decode_manifest, encode_values, manifest_name)
 from ..format.plan import overlap
-from .reader import TensorReader, chunks_needed, read_box
+from .exchange import share_mode, share_reads
+from .reader import ReadWork, TensorReader, chunks_needed, read_box
 from .state import FlatState, LoadPlanner, flatten
 from ..format.folder import read_committed
 from ..storage import Storage
@@ -132,6 +133,7 @@ class SaveRequest:
     allow_pickle: bool = False
     before_commit: Callable[[], None] | None = None  # rank 0, just before the manifest
     run_id: str | None = None
+    durable_root: str | None = None  # a save on a local tier: the durable root it belongs to
     chunk_size: int | None = None  # incremental: share chunks with ``base``'s checkpoint
     base: Callable[[], "tuple[str, Manifest] | None"] | None = None  # rank 0: (sibling folder, manifest)
     runner: Callable[..., SaveRun] = SaveRun  # the protocol; the node tier commits on many disks
@@ -151,7 +153,8 @@ class SaveRequest:
                                        metadata=self.metadata, metrics=self.metrics,
                                        new_save_id=new_save_id if self.save_id is None else lambda: self.save_id,
                                        existing=read_existing, before_commit=self.before_commit,
-                                       run_id=self.run_id, chunk_size=self.chunk_size, base=self.base)
+                                       run_id=self.run_id, durable_root=self.durable_root,
+                                       chunk_size=self.chunk_size, base=self.base)
 
     @property
     def stageable(self) -> bool:
@@ -256,7 +259,8 @@ def _only(tree: Any, keys: list, url: str) -> Any:
 @gc_paused
 def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = True,
          process_group: Any = None, storage_options: dict | None = None,
-         allow_pickle: bool = False, keys: "list | None" = None) -> None:
+         allow_pickle: bool = False, keys: "list | None" = None,
+         share_reads: "str | bool | None" = None) -> None:
     """Load a checkpoint into ``state`` in place (see the README).
 
     Each rank reads only the bytes of its own part. Every mismatch is found before
@@ -264,24 +268,30 @@ def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = Tru
     ``strict=False`` what matches is loaded and the rest is reported in a warning.
     ``keys`` loads only those top-level keys (``state`` holds just them), leaving the
     checkpoint's others unread. In a distributed job, a failure on any rank raises on
-    every rank."""
+    every rank, and bytes several ranks need are read once and sent between them
+    (``share_reads``: ``"auto"``, ``"job"``, ``"node"`` or ``"off"``, the same on
+    every rank; default ``$SAFECKPT_SHARE_READS``, else ``"auto"``; see ``exchange``)."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, not {type(state).__name__}")
     started = time.perf_counter()
+    share = share_mode(share_reads)
     group = resolve(process_group)
     storage = open_storage(path, **(storage_options or {}))
     load_manifest(state, storage, committed_for_group(storage, group), group, strict=strict, verify=verify,
-                  allow_pickle=allow_pickle, keys=keys, started=started)
+                  allow_pickle=allow_pickle, keys=keys, started=started, share=share)
 
 
 def load_manifest(state: dict, storage: Storage, manifest: Manifest, group: Any, *, strict: bool = True,
                   verify: bool = True, allow_pickle: bool = False, keys: "list | None" = None,
-                  before_read: "Callable[[set[str]], None] | None" = None, started: float | None = None) -> None:
+                  before_read: "Callable[[set[str]], None] | None" = None, started: float | None = None,
+                  share: str | None = None) -> None:
     """``load`` of a manifest every rank already holds; ``before_read`` (a collective
     when given: every rank calls it) gets the files this rank will read, before any
-    tensor is read (the node tier brings missing ones from a peer there). ``started``:
-    when the load began, for its log line."""
+    tensor is read (the node tier brings missing ones from a peer there; its ranks read
+    their own node's disk, so they share reads only when ``share`` says so).
+    ``started``: when the load began, for its log line."""
     started = time.perf_counter() if started is None else started
+    share = share_mode(share) if share is not None or before_read is None else "off"
     planner = LoadPlanner(manifest.tensors, strict, allow_pickle, group.rank, group.size)
     error: BaseException | None = None
     try:
@@ -301,11 +311,22 @@ def load_manifest(state: dict, storage: Storage, manifest: Manifest, group: Any,
              PartialLoadWarning)
     if before_read is not None:
         before_read(files_read(planner.reads))
+    reader = TensorReader(storage, manifest, verify)
+    work: ReadWork | None = None
     try:
-        TensorReader(storage, manifest, verify).run(planner.reads)
-        build()
+        work = reader.plan(planner.reads)
     except CheckpointError as exc:
         error = exc
+    try:
+        shared = share_reads(reader, work, group, share)  # every rank takes part, even one that failed
+        if work is not None:
+            if shared is None:
+                reader.fetch(work)
+            if shared is not False:  # False: another rank's read failed; the agreement raises it
+                reader.finish(work)
+                build()
+    except CheckpointError as exc:
+        error = error or exc
     _agree_or_undo(group, error, f"loading {storage.url}", planner)
     _log_load(storage, planner, started)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, cast
@@ -28,6 +29,7 @@ from ..format.checksum import BLOCK_SIZE, checksum
 from ..format.folder import read_committed, retire, shared_by_siblings
 from .datafile import DataFileLayout, WrittenPiece, plan_layout, write_data_file
 from ..format.names import DATA_RE, data_file_name  # noqa: F401
+from .leftovers import WRITER_KEY, clear_aborted, writer_tag
 from .incremental import ChunkDigest, Source, Stored, chunk_key, digest_pieces, plan_reuse, reuse_index
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, SaveAbortedError,
                      UnsupportedFormatError)
@@ -37,6 +39,7 @@ from ..format.manifest import (WRITE_VERSION, Chunk, FileEntry, Manifest, encode
                        manifest_seq)
 from ..format.pieces import PieceColumns, first_seen, unpad
 from ..format.plan import PlanError, WritePlan, assign_writes, check_shards
+from .plancache import PlanCache, Planned, Probe, fill_locals, layout_key, plans_of, split_locals, tree_digest
 from .state import FlatState
 from ..storage import Storage
 
@@ -67,6 +70,8 @@ class Assignment:
     errors: dict[int, str] = field(default_factory=dict)
     exists: bool = False
     chunks: list[int] = field(default_factory=list)  # incremental: indices of the new chunks
+    plan_id: str = ""  # the plan's id, kept by every rank (``plancache``)
+    replan: bool = False  # answer to a probe: some layout changed, plan in full
 
 
 @dataclass
@@ -107,8 +112,9 @@ def describe_error(exc: BaseException) -> str:
 
 
 def file_metadata(save_id: str) -> dict[str, str]:
-    """The safetensors ``__metadata__`` of a save's data files."""
-    return {"format": "pt", "safeckpt_save_id": save_id}
+    """The safetensors ``__metadata__`` of a save's data files: the save and the process
+    writing it (by which a later save tells a dead writer's leftovers, ``leftovers``)."""
+    return {"format": "pt", "safeckpt_save_id": save_id, WRITER_KEY: writer_tag()}
 
 
 
@@ -117,11 +123,16 @@ class SaveRun:
     """One save by one rank; ``run()`` returns the committed manifest's summary (its
     files and fields, without the tensor table and tree, which only rank 0 holds)."""
 
+    #: whether the folder's manifests name every file a committed save owns there, so that
+    #: a data file none names is an aborted save's (``clear_aborted``); a subclass whose
+    #: folders record their files otherwise (the node tier's holding records) says no
+    manifests_name_all_files = True
+
     def __init__(self, group: SingleGroup | TorchGroup, storage: Storage, *,
                  overwrite: "bool | Callable[[Manifest | None], bool]",
                  step: int | None, metadata: dict, metrics: dict, new_save_id: Any,
                  existing: Any, before_commit: Any = None, run_id: str | None = None,
-                 chunk_size: int | None = None, base: Any = None) -> None:
+                 durable_root: str | None = None, chunk_size: int | None = None, base: Any = None) -> None:
         self.group = group
         self.storage = storage
         self.overwrite = overwrite  # or, given the committed manifest (None: only torn ones), whether to replace
@@ -132,6 +143,7 @@ class SaveRun:
         self.existing = existing  # (storage) -> (committed Manifest | None, max seq seen)
         self.before_commit = before_commit  # rank 0, e.g. a writer lease check
         self.run_id = run_id
+        self.durable_root = durable_root  # recorded in the manifest (a local tier's save)
         self.chunk_size = chunk_size  # set: an incremental save with chunks of this size
         self.base = base  # rank 0: () -> (sibling folder, Manifest) to share chunks with, or None
         self.index: dict[tuple[str, int], Stored] = {}
@@ -145,6 +157,7 @@ class SaveRun:
         self.plan: WritePlan | None = None  # rank 0: who writes which piece
         self.committed = False
         self.where = storage.url  # what the ranks must agree they save to
+        self.kept: Planned | None = None  # the plan cache's entry of this save's plan
 
     def run(self, flatten: Any) -> Manifest:
         return self.finish(*self.prepare(flatten))
@@ -152,9 +165,20 @@ class SaveRun:
     def prepare(self, flatten: Any) -> "tuple[FlatState | None, list[Intent], Assignment]":
         """Phase 1 (and the chunk hashes of an incremental save): this rank's pieces,
         every rank's intent (rank 0 only) and what this rank writes. Raises, on every
-        rank, when the save is refused or failed."""
+        rank, when the save is refused or failed. A group that keeps plans first asks
+        whether every rank's layout is the one of a kept plan (``plancache``)."""
         flat = self._guard(flatten)
         pieces = self._guard(lambda: PieceColumns.of([p.info for p in flat.pieces.values()] if flat else []))
+        cache = plans_of(self.group) if self.group.size > 1 and self.chunk_size is None else None
+        key = None
+        if cache is not None:
+            if flat is not None and pieces is not None:
+                key = self._guard(lambda: layout_key(self.where, pieces, flat.aliases, self.group.rank,
+                                                     self.group.size))
+            reused = self._reuse(flat, cache, key)
+            if reused is not None:
+                return reused
+            cache.planned += 1
         intent = Intent(self.where, self.step, pieces if pieces is not None else PieceColumns.of([]),
                         flat.aliases if flat else {}, flat.tree if flat else None,
                         describe_error(self.local_error) if self.local_error else None,
@@ -164,9 +188,54 @@ class SaveRun:
         mine: Assignment = self.group.scatter(plans)
         if mine.abort:
             self._raise(mine.abort, mine.errors, mine.exists)
+        if cache is not None and key is not None:
+            self.kept = Planned(mine.plan_id, list(mine.write), self.plan,
+                                [Intent(i.url, i.step, PieceColumns.of([]), i.aliases, None)
+                                 for i in cast("list[Intent]", intents or [])])
+            cache.put(key, self.kept)
         if self.chunk_size is not None:
             self._deduplicate(flat, mine)
         return flat, cast("list[Intent]", intents), mine
+
+    def _reuse(self, flat: FlatState | None, cache: PlanCache,
+               key: str | None) -> "tuple[FlatState | None, list[Intent], Assignment] | None":
+        """Phase 1 with a kept plan: every rank sends the id of the plan its layout is
+        part of (and a digest of its values); when all name rank 0's, nobody sends its
+        pieces and rank 0 plans nothing. None when the ranks must plan in full."""
+        kept = cache.get(key) if key is not None else None
+        probe = self._guard(lambda: self._probe(cast(FlatState, flat), kept)) if flat is not None else None
+        if self.local_error is not None:
+            probe = Probe(self.where, self.step, None, "", None, describe_error(self.local_error))
+        probes = self.group.gather(probe)
+        answer = self._decide(self.group.size, [p.error for p in cast("list[Probe]", probes)],
+                              lambda: self._answer(cast("list[Probe]", probes), cast(FlatState, flat), kept)) \
+            if self.group.rank == 0 else None
+        mine: Assignment = self.group.scatter(answer)
+        if mine.abort:
+            self._raise(mine.abort, mine.errors, mine.exists)
+        if mine.replan or kept is None:
+            return None
+        cache.reused += 1
+        self.kept = kept
+        mine.write = list(kept.write)
+        return flat, kept.intents, mine
+
+    def _probe(self, flat: FlatState, kept: Planned | None) -> Probe:
+        blank, values = split_locals(flat.tree) if flat.has_local else (flat.tree, None)
+        return Probe(self.where, self.step, kept.plan_id if kept is not None else None, tree_digest(blank), values)
+
+    def _answer(self, probes: list[Probe], flat: FlatState, kept: Planned | None) -> list[Assignment]:
+        """Rank 0: reuse ``kept`` when every rank named it, for the same folder, step and
+        shared values; else every rank plans again (which also finds what is wrong)."""
+        first = probes[0]
+        if kept is None or any((p.plan, p.url, p.step, p.tree) != (kept.plan_id, first.url, first.step, first.tree)
+                               for p in probes):
+            return [Assignment(replan=True)] * len(probes)
+        self.tree = flat.tree if first.values is None else \
+            fill_locals(split_locals(flat.tree)[0], [cast(list, p.values) for p in probes])
+        self.plan = kept.plan
+        save_id, seq = self._claim()
+        return [Assignment(save_id, seq, plan_id=kept.plan_id)] * len(probes)
 
     def finish(self, flat: FlatState | None, intents: list[Intent], mine: Assignment) -> Manifest:
         """Phases 2 and 3: write this rank's data file, then rank 0 commits."""
@@ -195,11 +264,15 @@ class SaveRun:
             return None
 
     def _plan(self, intents: list[Intent]) -> list[Assignment]:
-        size = len(intents)
-        errors = {r: i.error for r, i in enumerate(intents) if i.error}
+        return self._decide(len(intents), [i.error for i in intents], lambda: self._assign(intents))
+
+    def _decide(self, size: int, failures: list[str | None], assign: Any) -> list[Assignment]:
+        """Rank 0: ``assign()``, unless a rank failed; a refusal or failure of its own
+        becomes every rank's abort."""
+        errors = {r: e for r, e in enumerate(failures) if e}
         if not errors:
             try:
-                return self._assign(intents)
+                return assign()
             except (PlanError, CheckpointExistsError, UnsupportedFormatError) as exc:
                 if isinstance(exc, UnsupportedFormatError):
                     self.local_error = exc  # one process re-raises it as it is
@@ -215,13 +288,24 @@ class SaveRun:
         self.tree = merge_trees([i.tree for i in intents], has_local=any(i.has_local for i in intents))
         plan = assign_writes([i.pieces for i in intents])
         check_shards(plan)
+        save_id, seq = self._claim()
+        self.plan = plan
+        plan_id = secrets.token_hex(8) if len(intents) > 1 else ""
+        return [Assignment(save_id, seq, plan.names(rank), plan_id=plan_id) for rank in range(len(intents))]
+
+    def _claim(self) -> tuple[str, int]:
+        """Rank 0: the folder's committed manifest and a new save id and sequence number
+        (refused when the folder holds a checkpoint this save may not replace)."""
         self.old, max_seq = self.existing(self.storage)
         refuse_existing(self.storage, self.old, max_seq, self.overwrite)
+        if self.manifests_name_all_files:
+            try:  # killed saves' files: their space is this save's (a small disk fills otherwise)
+                clear_aborted(self.storage, self.old)
+            except OSError:
+                pass  # best effort: garbage collection removes them later
         if self.chunk_size is not None and self.base is not None:
             self.index = reuse_index(self.base(), self.chunk_size)
-        save_id, seq = self.new_save_id(), max_seq + 1
-        self.plan = plan
-        return [Assignment(save_id, seq, plan.names(rank)) for rank in range(len(intents))]
+        return self.new_save_id(), max_seq + 1
 
     # -- phase 2a: incremental saves -----------------------------------------------------
     def _deduplicate(self, flat: FlatState, mine: Assignment) -> None:
@@ -312,36 +396,43 @@ class SaveRun:
 
     def _build_manifest(self, intents: list[Intent], reports: list[Report], mine: Assignment) -> Manifest:
         """The manifest (format 3): its tensor table filled straight from the reports."""
-        table = TableBuilder()
         files = {rep.file.name: rep.file for rep in reports if rep.file is not None}
         incremental = self.chunk_size is not None
-        if incremental:
-            self._add_chunks(intents, reports, files, table)
-        else:
-            self._add_pieces(cast(WritePlan, self.plan), reports, table)
-        for intent in intents:
-            for alias, first in intent.aliases.items():
-                table.alias(alias, first)
         block = cast(int, self.chunk_size) if incremental else BLOCK_SIZE
+        kept = self.kept
+        if kept is not None and kept.table is not None:
+            tensors = kept.refill(list(files), *_written(reports, cast("list[int]", kept.counts)))
+        else:
+            table = TableBuilder()
+            if incremental:
+                self._add_chunks(intents, reports, files, table)
+                order = None
+            else:
+                order = self._add_pieces(cast(WritePlan, self.plan), reports, table)
+            for intent in intents:
+                for alias, first in intent.aliases.items():
+                    table.alias(alias, first)
+            tensors = table.build(list(files), block)
+            if kept is not None and order is not None:  # the next save of this plan refills this table
+                kept.keep(tensors, order[table.source], np.diff(cast(WritePlan, self.plan).at).tolist(),
+                          *_ranges(reports))
         return Manifest(save_id=mine.save_id, seq=mine.seq, created=time.time(),
-                        world_size=len(intents), files=files, tensors=table.build(list(files), block),
+                        world_size=len(intents), files=files, tensors=tensors,
                         tree=self.tree, step=self.step, metadata=self.metadata, metrics=self.metrics,
-                        run_id=self.run_id, block_size=block, version=WRITE_VERSION)
+                        run_id=self.run_id, durable_root=self.durable_root, block_size=block,
+                        version=WRITE_VERSION)
 
     @staticmethod
-    def _add_pieces(plan: WritePlan, reports: list[Report], table: TableBuilder) -> None:
+    def _add_pieces(plan: WritePlan, reports: list[Report], table: TableBuilder) -> np.ndarray:
         """Every piece a rank wrote is one chunk: its box from the plan, its bytes and
-        checksums from the rank's report (in the plan's order), added as columns."""
+        checksums from the rank's report (in the plan's order), added as columns in
+        the order returned (of the reports' pieces, rank after rank)."""
         p = plan.pieces
         files, counts, written = [], [], []
-        for rank, rep in enumerate(reports):
-            given = int(plan.at[rank + 1] - plan.at[rank])
-            cols = rep.pieces() if rep.file is not None else None
-            if (0 if cols is None else len(cols.start)) != given:
-                raise SaveAbortedError(f"rank {rank} reported other pieces than the {given} it was given to write")
+        for rank, (rep, cols) in enumerate(zip(reports, _reported(reports, np.diff(plan.at).tolist()))):
             if cols is not None:
                 files.append(cast(FileEntry, rep.file).name)
-                counts.append(given)
+                counts.append(len(cols.start))
                 written.append(cols)
         code = p.code[plan.rows]
         tensors = first_seen(code, len(p.names))
@@ -360,6 +451,7 @@ class SaveRun:
                                np.concatenate([w.end for w in written] or [empty])[order],
                                Checksums.join([w.sums for w in written]).take(order), ndim,
                                unpad(p.offsets, rows, ndim), unpad(p.shape, rows, ndim)))
+        return order
 
     def _add_chunks(self, intents: list[Intent], reports: list[Report], files: dict[str, FileEntry],
                     table: TableBuilder) -> None:
@@ -420,6 +512,32 @@ class SaveRun:
             raise self.local_error
         cause = self.local_error
         raise SaveAbortedError(message, errors) from cause
+
+
+def _reported(reports: list[Report], counts: list[int]) -> list[Written | None]:
+    """Each rank's written pieces (None: no file), checked against the ``counts`` the
+    plan gave the ranks to write."""
+    out = []
+    for rank, (rep, given) in enumerate(zip(reports, counts)):
+        cols = rep.pieces() if rep.file is not None else None
+        if (0 if cols is None else len(cols.start)) != given:
+            raise SaveAbortedError(f"rank {rank} reported other pieces than the {given} it was given to write")
+        out.append(cols)
+    return out
+
+
+def _written(reports: list[Report], counts: list[int]) -> tuple[np.ndarray, np.ndarray, Checksums]:
+    """The reports' byte ranges and checksums, rank after rank, checked against the
+    ``counts`` of pieces the plan gave the ranks."""
+    cols = [c for c in _reported(reports, counts) if c is not None]
+    return (*_ranges(reports, cols), Checksums.join([c.sums for c in cols]))
+
+
+def _ranges(reports: list[Report], cols: "list[Written] | None" = None) -> tuple[np.ndarray, np.ndarray]:
+    """The reports' byte ranges (start, end), rank after rank."""
+    cols = [r.pieces() for r in reports if r.file is not None] if cols is None else cols
+    empty = np.zeros(0, np.int64)
+    return np.concatenate([c.start for c in cols] or [empty]), np.concatenate([c.end for c in cols] or [empty])
 
 
 EXISTS = "Checkpoint already exists"  # DCP's words for this refusal: code that matches them keeps working

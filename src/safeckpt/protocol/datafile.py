@@ -187,8 +187,3 @@ def region_checksums(region: memoryview, run: list[tuple[str, torch.Tensor, int,
     """The checksums of a run of small pieces packed back to back in ``region``."""
     base = run[0][2]
     return slice_checksums(region, [(start - base, end - base) for _, _, start, end in run])
-
-
-def read_header_length(prefix: "bytes | memoryview") -> int:
-    """The header length stored in a data file's first 8 bytes."""
-    return struct.unpack("<Q", prefix[:8])[0]

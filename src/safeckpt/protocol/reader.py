@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import functools
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, cast
 
 import torch
 
-from ..format.checksum import checksum, file_checksum, matches
-from .datafile import read_header_length
 from ..errors import CorruptCheckpointError
 from ..format.compact import TableEntry, TensorTable
 from ..format.manifest import Chunk, Manifest
@@ -25,6 +23,7 @@ from ..format.plan import Box, byte_runs, overlap, volume
 from ..format.transformed import StoredChunk, is_transformed
 from . import transforms
 from .batchread import BatchedReads
+from .filecheck import CheckedFiles
 from .state import Read
 from ..storage import Storage
 from ..format.tensors import byte_view, dtype_from_name, holds_values
@@ -35,7 +34,7 @@ READ_THREADS = 4
 
 
 @dataclass
-class _Job:
+class Job:
     """Bytes of one chunk to read: ``runs`` (start within the chunk, length), in order,
     land back to back in ``out``."""
 
@@ -44,6 +43,18 @@ class _Job:
     runs: list[tuple[int, int]]
     out: memoryview
     whole: bool  # the runs are the whole chunk (decided once: it is asked per neighbour)
+
+
+@dataclass
+class ReadWork:
+    """A load's reads as planned (``TensorReader.plan``): the chunks' bytes to read
+    (``jobs``, and small whole tensors in ``batched``), then what ``finish`` does with
+    them (stream transforms undone, buffers copied into their tensors)."""
+
+    batched: list[BatchedReads]
+    jobs: list[Job] = field(default_factory=list)
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    decodes: list[tuple[Job, torch.Tensor]] = field(default_factory=list)
 
 
 def read_box(read: Read) -> Box:
@@ -83,11 +94,11 @@ def _whole(dest: torch.Tensor, dtype: torch.dtype, box: Box | None, shape: list[
             and (box is None or (not any(box[0]) and list(box[1]) == shape)))
 
 
-def _job_runs(jobs: list[_Job], below: int, most: int) -> list[list[_Job]]:
+def _job_runs(jobs: list[Job], below: int, most: int) -> list[list[Job]]:
     """Jobs in file order, neighbours of whole small chunks gathered into one read of at
     most about ``most`` bytes."""
     jobs = sorted(jobs, key=lambda j: (j.chunk.file, j.chunk.start))
-    runs: list[list[_Job]] = []
+    runs: list[list[Job]] = []
     i = 0
     while i < len(jobs):
         run = [jobs[i]]
@@ -122,21 +133,26 @@ def _slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(*box))
 
 
-class TensorReader:
+class TensorReader(CheckedFiles):
     """Reads the tensors of one committed checkpoint."""
 
     def __init__(self, storage: Storage, manifest: Manifest, verify: bool, transforms: Any = None) -> None:
-        self.storage = storage
-        self.manifest = manifest
+        super().__init__(storage, manifest)
         self.verify = verify
         self.transforms = transforms  # a DCP ExtensionRegistry for transformed chunks (DCP's default when None)
-        self._located: dict[str, tuple[Storage, str]] = {}  # shared files live in sibling folders
 
     # -- planning --------------------------------------------------------------------
     def run(self, reads: list[Read]) -> None:
         """Fill every ``Read``: its ``dest`` in place, or a new tensor in ``result``.
         Small whole tensors of format-3 tables go in batches (``batchread``), the rest
         chunk by chunk."""
+        work = self.plan(reads)
+        self.fetch(work)
+        self.finish(work)
+
+    def plan(self, reads: list[Read]) -> ReadWork:
+        """What filling ``reads`` takes: the byte ranges to read and where they land (a
+        fresh tensor is made here for each read without a ``dest``)."""
         below, most = self._coalescing()
         batches: dict[int, BatchedReads] = {}
         general: list[tuple[Read, torch.Tensor]] = []
@@ -164,29 +180,35 @@ class TensorReader:
                 general.append((read, dest))
         for batch in batches.values():
             general += batch.keep_below(below)
-        batched = [b for b in batches.values() if b.rows]
-        jobs: list[_Job] = []
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        decodes: list[tuple[_Job, torch.Tensor]] = []
+        work = ReadWork([b for b in batches.values() if b.rows])
         for (read, dest), chunks in zip(general, chunks_needed([r for r, _ in general])):
             self._plan_read(read.name, chunks, dest, read_box(read), dtype_from_name(read.entry.dtype, read.name),
-                            jobs, copies, decodes)
+                            work.jobs, work.copies, work.decodes)
+        return work
+
+    def fetch(self, work: ReadWork) -> None:
+        """Read (and check) every byte of ``work`` from storage, on a few threads."""
+        below, most = self._coalescing()
         if self.verify:
-            self.check_headers({j.chunk.file for j in jobs}.union(*(b.files() for b in batched)))
+            self.check_headers({j.chunk.file for j in work.jobs}.union(*(b.files() for b in work.batched)))
         tasks: list[Callable[[], None]] = [functools.partial(self._read_run, run)
-                                           for run in _job_runs(jobs, below, most)]
-        for batch in batched:
-            tasks += batch.tasks(self._read_into, self.verify, most, self._batch_failed(batch))
+                                           for run in _job_runs(work.jobs, below, most)]
+        for batch in work.batched:
+            tasks += batch.tasks(self.read_into, self.verify, most, self._batch_failed(batch))
         _in_threads(tasks)
-        self._decode(decodes)
+
+    def finish(self, work: ReadWork) -> None:
+        """Once every byte of ``work`` is in place: undo stream transforms, copy the
+        bytes read into buffers to their tensors."""
+        self._decode(work.decodes)
         with torch.no_grad():
-            for target, tmp in copies:
+            for target, tmp in work.copies:
                 target.copy_(tmp)
 
     def _batch_failed(self, batch: BatchedReads) -> Callable[[int, int, memoryview], None]:
         """What a batch calls when a tensor fails its checksum: the general check's error."""
         def failed(k: int, row: int, data: memoryview) -> None:
-            self._check(batch.reads[k].name, batch.table.chunks_at([row])[0], 0, data)
+            self.check_block(batch.reads[k].name, batch.table.chunks_at([row])[0], 0, data)
         return failed
 
     def _coalescing(self) -> tuple[int, int]:
@@ -195,13 +217,13 @@ class TensorReader:
         return below, max(COALESCE_MAX, 2 * below)
 
     def _plan_read(self, name: str, chunks: list[Chunk], dest: torch.Tensor, box: Box,
-                   dtype: torch.dtype, jobs: list[_Job], copies: list, decodes: list) -> None:
+                   dtype: torch.dtype, jobs: list[Job], copies: list, decodes: list) -> None:
         """Jobs (and copies) that fill ``box`` of the tensor from ``chunks``: those that
         meet the box (``meeting``), or all of them. A transformed chunk is read whole and
         decoded (``decodes``) into a tensor of its box, copied from there."""
         if len(chunks) == 1 and not is_transformed(chunks[0]) and _whole(dest, dtype, box, list(chunks[0].shape)):
             chunk = chunks[0]  # the common case: one whole chunk straight into its tensor
-            jobs.append(_Job(name, chunk, [(0, chunk.end - chunk.start)], byte_view(dest), True))
+            jobs.append(Job(name, chunk, [(0, chunk.end - chunk.start)], byte_view(dest), True))
             return
         covered = 0
         for chunk in chunks:
@@ -211,7 +233,7 @@ class TensorReader:
                 continue
             covered += volume(ov[1])
             if is_transformed(chunk):
-                stored = _Job(name, chunk, [(0, chunk.end - chunk.start)], memoryview(bytearray(chunk.end - chunk.start)),
+                stored = Job(name, chunk, [(0, chunk.end - chunk.start)], memoryview(bytearray(chunk.end - chunk.start)),
                               True)
                 jobs.append(stored)
                 decoded = torch.empty(cbox[1], dtype=dtype)
@@ -221,7 +243,7 @@ class TensorReader:
             direct = ov == cbox == box and _takes_bytes(dest, dtype)
             tmp = dest if direct else torch.empty(ov[1], dtype=dtype)
             runs = byte_runs(cbox[1], _relative(ov, cbox[0]), dtype.itemsize)
-            jobs.append(_Job(name, chunk, runs, byte_view(tmp), runs == [(0, chunk.end - chunk.start)]))
+            jobs.append(Job(name, chunk, runs, byte_view(tmp), runs == [(0, chunk.end - chunk.start)]))
             if not direct:
                 copies.append((dest[_slices(_relative(ov, box[0]))], tmp))
         if covered != volume(box[1]):
@@ -230,7 +252,7 @@ class TensorReader:
                 f"{list(box[0])}+{list(box[1])}")
 
     # -- execution -------------------------------------------------------------------
-    def _decode(self, decodes: list[tuple[_Job, torch.Tensor]]) -> None:
+    def _decode(self, decodes: list[tuple[Job, torch.Tensor]]) -> None:
         """Undo the stream transforms of the transformed chunks read (and checked)."""
         if decodes and self.transforms is None:
             self.transforms = transforms.default_registry()
@@ -239,29 +261,29 @@ class TensorReader:
             transforms.decode(chunk.transforms, job.out, byte_view(decoded), self.transforms,
                               f"{self.storage.url}/{chunk.file}: tensor {job.name!r}")
 
-    def _read_run(self, run: list[_Job]) -> None:
+    def _read_run(self, run: list[Job]) -> None:
         if len(run) > 1:
             self._read_coalesced(run, sum(len(j.out) for j in run))
         elif not run[0].whole:
             self._read_partial(run[0])
         else:
             job = run[0]
-            self._read_into(job.chunk.file, job.chunk.start, job.out)
+            self.read_into(job.chunk.file, job.chunk.start, job.out)
             if self.verify:
-                self._check_blocks(job.name, job.chunk, job.out)
+                self.check_blocks(job.name, job.chunk, job.out)
 
-    def _read_coalesced(self, run: list[_Job], size: int) -> None:
+    def _read_coalesced(self, run: list[Job], size: int) -> None:
         buf = memoryview(bytearray(size))
-        self._read_into(run[0].chunk.file, run[0].chunk.start, buf)
+        self.read_into(run[0].chunk.file, run[0].chunk.start, buf)
         pos = 0
         for job in run:
             n = len(job.out)
             job.out[:] = buf[pos:pos + n]
             pos += n
             if self.verify:
-                self._check_blocks(job.name, job.chunk, job.out)
+                self.check_blocks(job.name, job.chunk, job.out)
 
-    def _read_partial(self, job: _Job) -> None:
+    def _read_partial(self, job: Job) -> None:
         """Read the blocks the runs touch (whole blocks when verifying), copy the runs out."""
         block = self.manifest.block_size
         chunk = job.chunk
@@ -272,84 +294,10 @@ class TensorReader:
                 b = start // block
                 b_start, b_end = b * block, min((b + 1) * block, chunk.end - chunk.start)
                 lo, hi = (b_start, b_end) if self.verify else (start, min(end, b_end))
-                buf = self._read_bytes(chunk.file, chunk.start + lo, hi - lo)
+                buf = self.read_bytes(chunk.file, chunk.start + lo, hi - lo)
                 if self.verify:
-                    self._check(job.name, chunk, b, buf)
+                    self.check_block(job.name, chunk, b, buf)
                 take = min(end, b_end) - start
                 job.out[pos:pos + take] = buf[start - lo:start - lo + take]
                 pos += take
                 start += take
-
-    # -- checks ----------------------------------------------------------------------
-    def _check(self, name: str, chunk: Chunk, index: int, data: bytes | memoryview) -> None:
-        if not matches(data, chunk.checksums[index]):
-            block = self.manifest.block_size
-            lo = chunk.start + index * block
-            raise CorruptCheckpointError(
-                f"{self.storage.url}/{chunk.file}: tensor {name!r} (bytes {lo}-{min(lo + block, chunk.end)}) "
-                "fails its checksum: the data is corrupt; restore from another checkpoint")
-
-    def _check_blocks(self, name: str, chunk: Chunk, data: memoryview) -> None:
-        block = self.manifest.block_size
-        for index in range(len(chunk.checksums)):
-            self._check(name, chunk, index, data[index * block:(index + 1) * block])
-
-    def _verify_chunk(self, name: str, chunk: Chunk) -> None:
-        """Check every block of a chunk, holding one block in memory at a time."""
-        block = self.manifest.block_size
-        for index in range(len(chunk.checksums)):
-            lo = chunk.start + index * block
-            self._check(name, chunk, index, self._read_bytes(chunk.file, lo, min(block, chunk.end - lo)))
-
-    def check_headers(self, files: set[str]) -> None:
-        """Data files' headers must match the checksums the manifest recorded."""
-        for name in sorted(files):
-            f = self.manifest.files[name]
-            if f.header_size is None:
-                continue
-            if checksum(self._read_bytes(name, 0, f.header_size)) != f.header_checksum:
-                raise CorruptCheckpointError(
-                    f"{self.storage.url}/{name}: the safetensors header does not match its checksum "
-                    "(the file was altered or damaged); restore from another checkpoint")
-
-    def verify_file(self, name: str) -> list[str]:
-        """Read every byte of one file and return its problems (empty when sound)."""
-        f = self.manifest.files[name]
-        where = f"{self.storage.url}/{name}"
-        if f.header_size is None:  # a sealed file written by another tool
-            ok = f.checksum is None or file_checksum(*self.storage.locate(name), f.size) == f.checksum
-            return [] if ok else [f"{where}: fails its checksum (altered or damaged)"]
-        prefix = self._read_bytes(name, 0, min(8, f.size))
-        claimed = read_header_length(prefix) if len(prefix) == 8 else None
-        if claimed is None or claimed + 8 != f.header_size:
-            return [f"{where}: the safetensors header claims {claimed} bytes; the file has {f.size} "
-                    f"and the manifest recorded {f.header_size - 8}"]
-        problems = []
-        checks: list[Callable[[], Any]] = [lambda: self.check_headers({name})]
-        seen = set()
-        for tname, c in self.manifest.chunks_in(name):
-            if (c.start, c.end) not in seen:
-                seen.add((c.start, c.end))
-                checks.append(functools.partial(self._verify_chunk, tname, c))
-        for check in checks:
-            try:
-                check()
-            except CorruptCheckpointError as exc:
-                problems.append(str(exc))
-        return problems
-
-    # -- storage ---------------------------------------------------------------------
-    def _read_bytes(self, name: str, offset: int, size: int) -> memoryview:
-        out = memoryview(bytearray(size))
-        self._read_into(name, offset, out)
-        return out
-
-    def _read_into(self, name: str, offset: int, out: memoryview) -> None:
-        try:
-            located = self._located.get(name)
-            if located is None:
-                located = self._located[name] = self.storage.locate(name)
-            located[0].read_into(located[1], offset, out)
-        except (EOFError, FileNotFoundError) as exc:
-            raise CorruptCheckpointError(
-                f"{self.storage.url}/{name}: {exc} (the file is truncated or missing)") from exc

@@ -275,10 +275,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def _finish_at_exit() -> None:
-    """Commit in-flight saves before the interpreter exits, and never drop an error.
-    Run where ``concurrent.futures`` finishes its work at exit (before the interpreter
-    joins its threads and runs ``atexit``, so a save still has what other exit handlers
-    tear down, such as process groups), else by ``atexit``."""
+    """Commit in-flight saves before the interpreter exits, and never drop an error."""
     for saver in list(_live):
         try:
             saver.wait()
@@ -287,4 +284,16 @@ def _finish_at_exit() -> None:
             log.error("an async save failed and nobody saw its error: %s", exc)
 
 
-getattr(threading, "_register_atexit", atexit.register)(_finish_at_exit)
+def _register_exit_hook() -> None:
+    """Run ``_finish_at_exit`` before ``concurrent.futures`` refuses new work at exit. The
+    interpreter first calls threading's exit hooks, newest first (concurrent.futures's
+    one sets its "shutdown" flag there), then joins the threads, then runs ``atexit``: a
+    save still writing when the script ends needs thread pools, so it must be finished
+    among threading's hooks, after concurrent.futures's was registered (imported here)."""
+    import concurrent.futures.thread  # noqa: F401 - registers its exit hook now, before ours
+
+    register = getattr(threading, "_register_atexit", None)  # CPython >= 3.9
+    (register or atexit.register)(_finish_at_exit)
+
+
+_register_exit_hook()

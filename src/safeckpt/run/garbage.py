@@ -2,9 +2,10 @@
 
 Only names safeckpt writes (``data-<save_id>-rNNNNN.safetensors`` and
 ``manifest-NNNNNN.json`` inside ``step-NNNNNNNNN`` folders) are ever considered;
-anything else in the root is left alone. A save that may still be running is
-protected by its save id: with ``min_age_s``, no save younger than that is touched,
-by the time its id records (never by file mtimes, which FUSE mounts get wrong).
+anything else in the root is left alone. With ``min_age_s``, a save that may still be
+running is left alone: one younger than ``min_age_s`` by the time its save id records
+(never by file mtimes, which FUSE mounts get wrong), unless its writer was on this host
+and its process is gone; ``protocol.leftovers`` has the rule.
 
 Incremental checkpoints read data files of older sibling checkpoints, so collection is
 by reachability: a data file stays while any committed checkpoint in the root names it.
@@ -24,16 +25,9 @@ from ..format import manifestcache
 from ..format.folder import read_committed, shared_by_siblings, shared_files
 from ..format.manifest import Manifest
 from ..format.names import DATA_RE, RETIRED, manifest_seq, step_of
+from ..protocol.leftovers import save_may_run
 from ..storage import Storage
 
-
-
-def save_id_age(save_id: str, now: float) -> float:
-    """Seconds since the save with this id started (its id begins with unix seconds)."""
-    try:
-        return now - int(save_id[:8], 16)
-    except ValueError:
-        return float("inf")
 
 
 def garbage_in(folder: Storage, min_age_s: float | None = None, now: float | None = None,
@@ -67,7 +61,7 @@ def garbage_in(folder: Storage, min_age_s: float | None = None, now: float | Non
         m = DATA_RE.fullmatch(name)
         if m is None or name in needed:
             continue
-        if min_age_s is not None and save_id_age(m.group(1), now) < min_age_s:
+        if save_may_run(folder, name, m.group(1), min_age_s, now):
             live = True  # a save may still be running here: leave its manifest slot alone too
             continue
         data.append(name)

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from ..errors import WeakStorageWarning, warn
 from ..errors import CheckpointExistsError
 from ..format.names import LEASE_RE, lease_name
+from ..protocol.leftovers import THIS_HOST, process_alive
 from ..storage import Storage
 
 
@@ -29,22 +30,19 @@ class Holder:
     """Who holds a lease."""
 
     run_id: str
-    host: str
+    host: str  #: ``leftovers.THIS_HOST`` of the holder (leases of older releases: its host name)
     pid: int
     token: str
     created: float
+    hostname: str = ""  #: for messages
+
+    @property
+    def where(self) -> str:
+        return f"pid {self.pid} on {self.hostname or self.host}"
 
     def alive_here(self) -> bool:
         """True when the holder is another process on this host that is still running."""
-        if self.host != socket.gethostname() or self.pid == os.getpid():
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return self.pid != os.getpid() and process_alive(self.host, self.pid) is True
 
 
 class WriterLease:
@@ -52,7 +50,7 @@ class WriterLease:
 
     def __init__(self, storage: Storage, run_id: str) -> None:
         self.storage = storage
-        self.me = Holder(run_id, socket.gethostname(), os.getpid(), uuid.uuid4().hex, time.time())
+        self.me = Holder(run_id, THIS_HOST, os.getpid(), uuid.uuid4().hex, time.time(), socket.gethostname())
         self.epoch: int | None = None
 
     def current(self) -> tuple[int, Holder | None]:
@@ -79,7 +77,7 @@ class WriterLease:
         epoch, holder = self.current()
         if holder is not None and holder.token != self.me.token and holder.alive_here():
             raise CheckpointExistsError(
-                f"{self.storage.url} is in use by another job (pid {holder.pid} on {holder.host}, "
+                f"{self.storage.url} is in use by another job ({holder.where}, "
                 f"run {holder.run_id}); two jobs must not write one checkpoint root. Stop the "
                 "other job or use another root")
         try:
@@ -99,7 +97,7 @@ class WriterLease:
             return
         epoch, holder = self.current()
         if epoch != self.epoch:
-            who = f"pid {holder.pid} on {holder.host}" if holder else "another job"
+            who = holder.where if holder else "another job"
             raise CheckpointExistsError(
                 f"this manager no longer owns {self.storage.url}: {who} took it over; to protect "
                 "that job's checkpoints this one will not commit or delete anything more")

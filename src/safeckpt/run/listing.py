@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..format.folder import CheckpointState, folder_state, step_folders
+from ..format.folder import CheckpointState, as_step, folder_state, step_folders
 from ..format.names import step_folder
 from ..errors import StorageError
 from ..storage import Storage
@@ -46,7 +46,7 @@ def checkpoint_status(folder: Storage, step: int | None = None) -> CheckpointSta
         listing: dict[str, int | None] | None = folder.listdir()
     except StorageError:
         listing = None  # folder_state tries once more and reports the folder unreadable
-    found = folder_state(folder, listing)
+    found = as_step(folder_state(folder, listing), folder.url, step)
     m = found.manifest
     if m is None:
         listing = listing or {}

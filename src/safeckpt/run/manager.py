@@ -21,11 +21,13 @@ from ..errors import CleanupWarning, ForeignRunWarning, SkippedCheckpointWarning
 from . import garbage
 from .asyncsave import AsyncSaver, SaveFuture, background_group
 from ..protocol.checkpoint import CheckpointInfo, load, log_save, save_request
+from ..protocol.exchange import share_mode
 from ..format.folder import retire
-from ..format.folder import FolderState, CheckpointState, folder_state, step_folders
+from ..format.folder import FolderState, CheckpointState, step_folders, step_state
 from ..protocol.incremental import CHUNK_SIZE, MIN_CHUNK_SIZE
-from .tiered import Candidate, Replicator, tier_candidates
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UnsupportedFormatError
+from .tiered import Candidate, Replicator, belongs, tier_candidates, warn_foreign
+from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, StorageError,
+                      UnsupportedFormatError)
 from ..protocol.group import SingleGroup, TorchGroup, resolve
 from .lease import WriterLease
 from ..format.manifest import Manifest
@@ -55,13 +57,23 @@ class Replaceable:
     """Which committed checkpoint of a step a manager's save may replace (atomically): one
     of this run (a loop resumed at the step it restored saves it again), a torn one (the
     manager holds the root's lease, so no other save is writing it) or one ``restore``
-    found damaged; never another run's. Plain data, so an async save's writer process
-    can decide it."""
+    found damaged; never another run's committed checkpoint, nor (refused with
+    ``CheckpointExistsError``) one a local tier holds for another durable root than
+    ``home`` (the durable root's URL when the save goes to a local tier). Plain data, so
+    an async save's writer process can decide it."""
 
     run_id: str
     damaged: bool
+    step: int
+    where: str  # the step folder's URL, for the error
+    home: str | None = None
 
     def __call__(self, old: "Manifest | None") -> bool:
+        if old is not None and self.home is not None and not belongs(old, self.home):
+            raise CheckpointExistsError(
+                f"{self.where} holds a checkpoint of step {self.step} saved for another durable root "
+                f"({old.durable_root or 'not named: an older safeckpt'}), which a save for {self.home} never "
+                f"replaces: give each durable root its own local folder (local=)")
         return old is None or old.run_id == self.run_id or self.damaged
 
 
@@ -150,7 +162,9 @@ class CheckpointManager:
         rank; then the manager's listings and retention are the durable root's."""
         if self._nodes is None:
             layout = NodeLayout.of(self.group)
-            self._nodes = NodeTier(self, layout, self.local_replicas) if len(layout.nodes) > 1 else False
+            self._nodes = NodeTier(self, layout, self.local_replicas, may_replace=self._may_replace,
+                                   check_lease=self._check_lease, after_durable=self._after_replication) \
+                if len(layout.nodes) > 1 else False
             if self._nodes:
                 self.tiers = [self.storage]
         return self._nodes if isinstance(self._nodes, NodeTier) else None
@@ -178,20 +192,31 @@ class CheckpointManager:
         return step_folders(root or self.save_root)
 
     def _read(self, step: int, root: Storage | None = None) -> FolderState:
-        return folder_state((root or self.save_root).child(step_folder(step)))
+        return step_state(root or self.save_root, step)
 
     def _committed(self, root: Storage | None = None, complete: bool = False) -> dict[int, Manifest]:
-        """Step -> manifest of the committed steps; ``complete``: raise ``StorageError``
-        if a step folder cannot be read (retention must know every checkpoint that may
-        share the data it deletes, and its metrics)."""
+        """Step -> manifest of the committed steps of this job's durable root; ``complete``:
+        raise ``StorageError`` if a step folder cannot be read (retention must know every
+        checkpoint that may share the data it deletes, and its metrics)."""
+        root = root or self.save_root
         out: dict[int, Manifest] = {}
         for step in self._step_folders(root):
             found = self._read(step, root)
             if complete and found.state is CheckpointState.UNREADABLE:
                 raise StorageError(f"retention stopped: {found.problem}")
-            if found.manifest is not None:
+            if found.manifest is not None and not self._foreign(root, found.manifest):
                 out[step] = found.manifest
         return out
+
+    def _foreign(self, root: Storage, m: Manifest) -> bool:
+        """A checkpoint in the local tier saved for another durable root (a job that used
+        the folder before): never restored, listed, uploaded, replaced or deleted here."""
+        return root is not self.storage and not belongs(m, self.storage.url)
+
+    def _holds(self, step: int, root: Storage) -> bool:
+        """Whether ``root`` holds a committed checkpoint of ``step`` of this job's root."""
+        m = self._read(step, root).manifest
+        return m is not None and not self._foreign(root, m)
 
     def steps(self) -> list[int]:
         """Steps with a committed checkpoint (valid manifest) in any tier, ascending."""
@@ -200,13 +225,13 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         """The newest committed step in any tier, or None."""
         def newest(root: Storage) -> int | None:
-            return next((s for s in reversed(self._step_folders(root)) if self._read(s, root).state is CheckpointState.COMMITTED), None)
+            return next((s for s in reversed(self._step_folders(root)) if self._holds(s, root)), None)
         return self._on_rank0(lambda: max((s for t in self.tiers if (s := newest(t)) is not None), default=None))
 
     def path(self, step: int) -> str:
         """Where the checkpoint of ``step`` lives (the local tier's copy when it has one)."""
         def where() -> str:
-            root = next((t for t in self.tiers if self._read(step, t).state is CheckpointState.COMMITTED), self.save_root)
+            root = next((t for t in self.tiers if self._holds(step, t)), self.save_root)
             return root.child(step_folder(step)).url
         return self._on_rank0(where) if len(self.tiers) > 1 else self.save_root.child(step_folder(step)).url
 
@@ -236,6 +261,7 @@ class CheckpointManager:
                                process_group=group, allow_pickle=self.allow_pickle,
                                before_commit=self._check_lease if self._replicator is None else None)
         request.run_id = self.run_id
+        request.durable_root = None if self.local is None else self.storage.url
         request.overwrite = self._may_replace(step)
         if nodes:
             nodes.prepare(request)
@@ -261,7 +287,9 @@ class CheckpointManager:
 
     def _may_replace(self, step: int) -> "Replaceable":
         """Which checkpoint of ``step`` a save may replace (``Replaceable``)."""
-        return Replaceable(self.run_id, step in self._damaged)
+        home = None if self.save_root is self.storage else self.storage.url
+        return Replaceable(self.run_id, step in self._damaged, step, self.save_root.child(step_folder(step)).url,
+                           home)
 
     def _remove_if_empty(self, folder: Storage) -> None:
         """After a failed save: drop its step folder if the save left it empty."""
@@ -292,7 +320,7 @@ class CheckpointManager:
         """Rank 0: the newest committed checkpoint of this run, whose chunks a save shares."""
         for s in reversed(self._step_folders(self.save_root)):
             m = self._read(s, self.save_root).manifest if s != step else None
-            if m is not None and m.run_id == self.run_id:
+            if m is not None and m.run_id == self.run_id and not self._foreign(self.save_root, m):
                 return step_folder(s), m
         return None
 
@@ -342,7 +370,8 @@ class CheckpointManager:
         self._check_lease()
         self.wait()
         for root in self.tiers:
-            self._delete(root, step, self._committed(root, complete=True))
+            if (m := self._read(step, root).manifest) is None or not self._foreign(root, m):
+                self._delete(root, step, self._committed(root, complete=True))
 
     def _delete(self, root: Storage, step: int, committed: dict[int, Manifest]) -> None:
         name = step_folder(step)
@@ -378,7 +407,8 @@ class CheckpointManager:
 
     # -- restoring ---------------------------------------------------------------------
     @_one_call_at_a_time
-    def restore(self, state: dict, step: int | None = None, *, strict: bool = True) -> int | None:
+    def restore(self, state: dict, step: int | None = None, *, strict: bool = True,
+                share_reads: "str | bool | None" = None) -> int | None:
         """Load the newest valid checkpoint (or ``step``) into ``state``; return its step.
 
         Incomplete saves and corrupt checkpoints are skipped with a warning naming each.
@@ -386,8 +416,10 @@ class CheckpointManager:
         copy and from ``root`` otherwise. Returns None when no tier has a committed
         checkpoint; raises ``CorruptCheckpointError`` if committed ones exist but none
         loads (the state may then be partly overwritten). Restoring continues that
-        checkpoint's run."""
+        checkpoint's run. ``share_reads``: as for ``load`` (bytes several ranks need are
+        read once and sent between them)."""
         self._check_open()
+        share_mode(share_reads)  # a bad value is refused before anything is read
         self.wait()
         if nodes := self._node_tier():
             return nodes.restore(state, step, strict)
@@ -414,7 +446,7 @@ class CheckpointManager:
                 self._damaged.add(candidate)
                 continue
             try:
-                self._load(state, root, candidate, strict)
+                self._load(state, root, candidate, strict, share_reads)
             except (CheckpointNotFoundError, CorruptCheckpointError, StorageError) as exc:
                 skipped.append(f"step {candidate} in {root.url}: {exc}")
                 self._damaged.add(candidate)
@@ -445,14 +477,20 @@ class CheckpointManager:
         """Rank 0: the step folders to try, in order."""
         listings = [[(s, self._read(s, root)) for s in self._step_folders(root) if step in (None, s)]
                     for root in self.tiers]
+        foreign = [(root.child(step_folder(s)).url, f.manifest) for root, listing in zip(self.tiers, listings)
+                   for s, f in listing if f.manifest is not None and self._foreign(root, f.manifest)]
+        if foreign:
+            warn_foreign(self.storage.url, foreign)
+        listings = [[(s, f) for s, f in listing if f.manifest is None or not self._foreign(root, f.manifest)]
+                    for root, listing in zip(self.tiers, listings)]
         rows, notes = tier_candidates(listings, [t.url for t in self.tiers])
         if notes:
             warn("restore: " + "; ".join(notes), SkippedCheckpointWarning)
         return rows
 
-    def _load(self, state: dict, root: Storage, step: int, strict: bool) -> None:
-        load(state, root.child(step_folder(step)), strict=strict,
-             process_group=self.group, allow_pickle=self.allow_pickle)
+    def _load(self, state: dict, root: Storage, step: int, strict: bool, share_reads: "str | bool | None") -> None:
+        load(state, root.child(step_folder(step)), strict=strict, process_group=self.group,
+             allow_pickle=self.allow_pickle, share_reads=share_reads)
 
     # -- preemption --------------------------------------------------------------------
     def _on_sigterm(self, signum: int, frame: Any) -> None:

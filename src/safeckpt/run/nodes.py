@@ -32,36 +32,28 @@ import functools
 import json
 import logging
 import os
-import socket
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 from ..protocol.checkpoint import load_manifest
-from ..format.folder import read_committed
+from ..format.folder import committed_steps, read_committed, step_folders
 from ..format.checksum import checksum
 from ..protocol.commit import (DATA_RE, SaveRun, describe_error, read_existing, refuse_existing, retire_replaced,
                      write_manifest)
-from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, ReplicationWarning, SaveAbortedError,
-                     SkippedCheckpointWarning, StorageError, warn)
-from ..protocol.group import TorchGroup, resolve
+from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, ReplicationWarning,
+                      SaveAbortedError, SkippedCheckpointWarning, StorageError, warn)
+from ..protocol.group import TorchGroup, node_id, resolve
 from ..format.manifest import Manifest, decode_manifest, encode_manifest, manifest_name, manifest_seq
 from ..format.names import step_folder
 from ..storage import Storage
-from .tiered import checked_parts, copy_file, file_checks
+from .tiered import belongs, checked_parts, copy_file, file_checks, warn_foreign
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
 
 log = logging.getLogger(__name__)
-NODE_ENV = "SAFECKPT_NODE_ID"
 RECORD_PREFIX = "holds-"
-SEND_BLOCK = 64 << 20
-
-
-def node_id() -> str:
-    """This process's node: ``$SAFECKPT_NODE_ID``, else the host name."""
-    return os.environ.get(NODE_ENV) or socket.gethostname()
 
 
 @dataclass
@@ -92,6 +84,14 @@ def record_name(save_id: str, tag: str, node: str) -> str:
     return f"{RECORD_PREFIX}{save_id}-{tag}-{checksum(node.encode())[-8:]}.json"
 
 
+def owner(name: str) -> str | None:
+    """The save id in the name of a record or data file, else None."""
+    if name.startswith(RECORD_PREFIX):
+        return name[len(RECORD_PREFIX):].split("-", 1)[0]
+    found = DATA_RE.fullmatch(name)
+    return found.group(1) if found else None
+
+
 def write_record(folder: Storage, manifest_bytes: bytes, node: str, files: dict[str, int], tag: str,
                  save_id: str) -> None:
     """Record, durably, that ``folder`` holds ``files`` of the save ``manifest_bytes`` commits."""
@@ -111,85 +111,119 @@ class Holding:
     files: dict[str, int]
 
 
-def read_holdings(folder: Storage) -> dict[str, Holding]:
-    """Valid records of ``folder`` by save id; a record naming a missing or resized file,
-    a torn one, or one whose manifest is damaged counts for nothing."""
+@dataclass
+class Record:
+    """One record file as read: the save it records (None when it is torn or not a
+    record), the files it says the folder holds, and why it counts for nothing."""
+
+    name: str
+    manifest: Manifest | None = None
+    manifest_bytes: bytes = b""
+    files: dict[str, int] = dataclasses.field(default_factory=dict)
+    problem: str = ""  # "" for a valid record, and for a torn one (a crash leaves it: not worth a word)
+
+
+def read_record(folder: Storage, name: str, step: int, listing: dict[str, int | None]) -> Record:
+    """A record of ``folder`` (the folder of ``step``), checked whole: its framing, the
+    shape and types of every field, its manifest (§5 valid, of this step, of the save
+    its name says), and every file it names (a data file of that manifest, present
+    with that size). Never raises: whatever is wrong makes it count for nothing."""
+    where = f"{folder.url}/{name}"
+    try:
+        payload, stored, rest = folder.read(name).split(b"\n")
+    except (OSError, ValueError):
+        return Record(name)
+    if rest or checksum(payload).encode() != stored:
+        return Record(name)
+    try:
+        body = json.loads(payload)
+        if not (isinstance(body, dict) and isinstance(body.get("manifest"), str)
+                and isinstance(body.get("files"), dict) and isinstance(body.get("node"), str)):
+            return Record(name, problem=f"{where}: not a holding record (files, manifest and node of the "
+                                        "wrong type, or missing)")
+        data = body["manifest"].encode()
+        m = decode_manifest(data, where)
+    except (ValueError, RecursionError, CheckpointError) as exc:  # UnicodeError is a ValueError
+        return Record(name, problem=f"{where}: {exc}")
+    if owner(name) != m.save_id:
+        return Record(name, m, data, problem=f"{where}: named for another save than its own ({m.save_id})")
+    if m.step != step:
+        return Record(name, m, data, problem=f"{where}: records save {m.save_id} of step {m.step} in the folder "
+                                             f"of step {step} (copied or moved by hand?)")
+    files: dict[str, Any] = body["files"]
+    for f, size in files.items():
+        entry = m.files.get(f)
+        if entry is None or not DATA_RE.fullmatch(f) or type(size) is not int or size != entry.size:
+            return Record(name, m, data, problem=f"{where}: names {f!r:.80} with size {size!r:.40}, not a data "
+                                                 "file of its save")
+        if listing.get(f) != size:
+            return Record(name, m, data, problem=f"{where}: names {f}, which is missing here or has another size")
+    return Record(name, m, data, files)
+
+
+def read_records(folder: Storage, step: int) -> list[Record]:
+    """Every record in the folder of ``step``."""
     listing = folder.listdir()
+    return [read_record(folder, n, step, listing) for n in sorted(listing)
+            if n.startswith(RECORD_PREFIX) and n.endswith(".json") and listing[n] is not None]
+
+
+def holdings(records: list[Record], home: str) -> dict[str, Holding]:
+    """What the folder holds, by save id, of the saves of the durable root ``home``:
+    the union of the files of their valid records."""
     out: dict[str, Holding] = {}
-    for name in sorted(n for n in listing if n.startswith(RECORD_PREFIX) and n.endswith(".json")):
-        try:
-            payload, stored, _ = folder.read(name).split(b"\n")
-            if checksum(payload) != stored.decode():
-                continue
-            body = json.loads(payload)
-            data = body["manifest"].encode()
-            m = decode_manifest(data, f"{folder.url}/{name}")
-        except (ValueError, KeyError, CheckpointError, OSError):
-            continue
-        files = {f: int(s) for f, s in body["files"].items()}
-        if any(listing.get(f) != s or f not in m.files for f, s in files.items()):
-            continue
-        held = out.setdefault(m.save_id, Holding(m, data, {}))
-        held.files.update(files)
+    for r in records:
+        if r.manifest is not None and not r.problem and belongs(r.manifest, home):
+            out.setdefault(r.manifest.save_id, Holding(r.manifest, r.manifest_bytes, {})).files.update(r.files)
     return out
 
 
-def drop_aborted(folder: Storage, keep: str) -> None:
+def theirs(records: list[Record], home: str) -> set[str]:
+    """Save ids of another durable root's records (whatever their state): a job never
+    deletes what they name."""
+    return {r.manifest.save_id for r in records if r.manifest is not None and not belongs(r.manifest, home)}
+
+
+def read_holdings(folder: Storage, step: int, home: str) -> dict[str, Holding]:
+    """What ``folder`` (the folder of ``step``) holds of the saves of ``home``."""
+    return holdings(read_records(folder, step), home)
+
+
+def drop_aborted(folder: Storage, keep: str, step: int) -> None:
     """After this node recorded save ``keep`` in ``folder``: the data of saves that no
-    valid record there names (attempts that never reached a decision). Saves recorded
-    here stay, and so do their files still arriving (a replica behind an older save)."""
-    held = read_holdings(folder)
-    folder.delete([n for n in folder.listdir()
-                   if (m := DATA_RE.fullmatch(n)) and m.group(1) != keep and m.group(1) not in held])
+    record there names (attempts that never reached a decision). Saves recorded here
+    stay (another root's too), and so do their files still arriving (a replica behind
+    an older save)."""
+    records = read_records(folder, step)
+    named = {r.manifest.save_id for r in records if r.manifest is not None}
+    folder.delete([n for n in folder.listdir() if (m := DATA_RE.fullmatch(n)) and m.group(1) not in named | {keep}])
 
 
-def drop_replaced(folder: Storage, newer: Manifest) -> None:
+def drop_replaced(folder: Storage, newer: Manifest, home: str) -> None:
     """Once save ``newer`` is whole on the nodes' disks: records first, then data, of the
     saves of this step recorded here *before* it (the ones it replaces). A later save
     of the step, being written meanwhile (a loop that re-saves the step it restored),
-    is not touched."""
-    old = [sid for sid, h in read_holdings(folder).items() if h.manifest.created < newer.created
-           and sid != newer.save_id]
+    is not touched, nor another root's save."""
+    records = read_records(folder, cast(int, newer.step))
+    old = {sid for sid, h in holdings(records, home).items() if h.manifest.created < newer.created
+           and sid != newer.save_id} - theirs(records, home)
     listing = folder.listdir()
-    folder.delete([n for n in listing if any(n.startswith(f"{RECORD_PREFIX}{sid}-") for sid in old)])
-    folder.delete([n for n in listing if (m := DATA_RE.fullmatch(n)) and m.group(1) in old])
+    folder.delete([n for n in listing if n.startswith(RECORD_PREFIX) and owner(n) in old])
+    folder.delete([n for n in listing if DATA_RE.fullmatch(n) and owner(n) in old])
 
 
-def delete_local(folder: Storage) -> None:
-    """Retention on one node: records first (the copy stops counting), then the rest."""
+def delete_local(folder: Storage, step: int, home: str) -> None:
+    """Retention on one node: records first (the copy stops counting), then the rest;
+    what another root's records name stays, and so then does the folder."""
+    kept = theirs(read_records(folder, step), home)
     listing = folder.listdir()
-    folder.delete([n for n in listing if n.startswith(RECORD_PREFIX)])
-    folder.delete([n for n in listing if listing[n] is not None])
-    folder.remove_folder()
+    folder.delete([n for n in listing if n.startswith(RECORD_PREFIX) and owner(n) not in kept])
+    folder.delete([n for n in listing if listing[n] is not None and owner(n) not in kept])
+    if not kept:
+        folder.remove_folder()
 
 
 # -- bytes between ranks -------------------------------------------------------------
-
-
-def _send(group: TorchGroup, data: "bytes | bytearray", dst: int) -> None:
-    import torch
-    dist = group.dist
-    peer = dist.get_global_rank(group.pg, dst)
-    group._run("send", lambda: dist.send(torch.tensor([len(data)], dtype=torch.int64), peer, group=group.pg))
-    if not data:
-        return
-    # a view of the bytes, not a copy: torch only reads a buffer it is sending
-    whole = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
-    for lo in range(0, len(data), SEND_BLOCK):
-        group._run("send", lambda b=whole[lo:lo + SEND_BLOCK]: dist.send(b, peer, group=group.pg))
-
-
-def _recv(group: TorchGroup, src: int) -> memoryview:
-    """The bytes ``_send`` sent, received in place into one buffer."""
-    import torch
-    dist = group.dist
-    peer = dist.get_global_rank(group.pg, src)
-    size = torch.zeros(1, dtype=torch.int64)
-    group._run("recv", lambda: dist.recv(size, peer, group=group.pg))
-    out = torch.empty(int(size), dtype=torch.uint8)
-    for lo in range(0, int(size), SEND_BLOCK):
-        group._run("recv", lambda b=out[lo:lo + SEND_BLOCK]: dist.recv(b, peer, group=group.pg))
-    return out.numpy().data
 
 
 def _read_checked(folder: Storage, m: Manifest, name: str) -> bytearray:
@@ -206,13 +240,13 @@ def send_file(group: TorchGroup, folder: Storage, m: Manifest, name: str, dst: i
     except (CheckpointError, OSError) as exc:
         problems.append(f"reading {name}: {exc}")
         blob = bytearray()
-    _send(group, blob, dst)
+    group.send_bytes(blob, dst)
 
 
 def receive_file(group: TorchGroup, folder: Storage, m: Manifest, name: str, src: int,
                  problems: list[str]) -> bool:
     """Receive one data file into ``folder``; True when it arrived whole and is durable."""
-    blob = _recv(group, src)
+    blob = group.recv_bytes(src)
     try:
         if len(blob) != m.files[name].size:
             raise SaveAbortedError(f"{name} arrived with {len(blob)} bytes, not {m.files[name].size} "
@@ -225,14 +259,41 @@ def receive_file(group: TorchGroup, folder: Storage, m: Manifest, name: str, src
         return False
 
 
+@dataclass
+class Survey:
+    """What one node's folder holds of its root's saves, by step and save id, and what
+    it passed over (another root's records; records that count for nothing)."""
+
+    held: dict[int, dict[str, Holding]] = dataclasses.field(default_factory=dict)
+    foreign: list[tuple[str, Manifest]] = dataclasses.field(default_factory=list)
+    skipped: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclass
+class Option:
+    """A save a restore may load: every file held by some node (``nodes[k]``: the files
+    node k holds) or by the durable root (``durable``: it holds the committed copy)."""
+
+    step: int
+    save_id: str
+    created: float
+    manifest_bytes: bytes
+    nodes: list[list[str]]
+    durable: bool
+
+
 # -- saving ----------------------------------------------------------------------------
 
 
 class NodeSaveRun(SaveRun):
-    """The save protocol with the data on every node's own disk (see module docstring)."""
+    """The save protocol with the data on every node's own disk (see module docstring).
+    A node's folder holds no manifest: holding records name its files, and the tier's
+    own retention removes what none names."""
+
+    manifests_name_all_files = False
 
     def __init__(self, *args: Any, tier: "NodeTier", **kwargs: Any) -> None:
-        super().__init__(*args, **{**kwargs, "existing": tier.existing})
+        super().__init__(*args, **{**kwargs, "existing": functools.partial(tier.existing, step=kwargs["step"])})
         self.tier = tier
         self.encoded: bytes | None = None
         self.where = f"<each node's local tier>/{self.storage.url.rsplit('/', 1)[-1]}"
@@ -257,7 +318,7 @@ class NodeSaveRun(SaveRun):
             mine = {n: f.size for n, f in manifest.files.items() if layout.node_of[cast(int, f.rank)] == layout.node_of[rank]}
             try:
                 write_record(self.storage, data, node_id(), mine, "own", manifest.save_id)
-                drop_aborted(self.storage, manifest.save_id)
+                drop_aborted(self.storage, manifest.save_id, cast(int, manifest.step))
             except Exception as exc:  # noqa: BLE001 - every rank learns of it below
                 error = describe_error(exc)
         failed = {layout.nodes[layout.node_of[r]]: e for r, e in enumerate(self.group.all_gather(error)) if e}
@@ -305,9 +366,17 @@ class NodeSync:
 
 
 class NodeTier:
-    """The manager's local tier when its ranks span several nodes."""
+    """The manager's local tier when its ranks span several nodes. Its manager hands it
+    what it needs of the run: which checkpoint of a step a save may replace
+    (``may_replace(step)``, see ``refuse_existing``), the writer lease check
+    (``check_lease``) and the durable root's retention (``after_durable(manifest)``).
 
-    def __init__(self, manager: "CheckpointManager", layout: NodeLayout, replicas: int) -> None:
+    Every record names the durable root its save belongs to (``home``: rank 0's URL
+    of it); records of another root are never restored, uploaded, replaced or deleted."""
+
+    def __init__(self, manager: "CheckpointManager", layout: NodeLayout, replicas: int, *,
+                 may_replace: Callable[[int], Any], check_lease: Callable[[], None],
+                 after_durable: Callable[[Manifest], None]) -> None:
         if manager.chunk_size is not None:
             raise ValueError("incremental=True is not supported with a local tier on several nodes")
         if manager.process_group is not None:  # its background collectives need a group of their own
@@ -316,7 +385,11 @@ class NodeTier:
         self.manager = manager
         self.layout = layout
         self.replicas = replicas
+        self.may_replace = may_replace
+        self.check_lease = check_lease
+        self.after_durable = after_durable
         self.group = manager.group
+        self.home: str = self.group.broadcast(manager.storage.url)
         self.background = resolve(manager.process_group, purpose="nodes")
         self.sync = NodeSync(self)
 
@@ -339,10 +412,11 @@ class NodeTier:
 
     def prepare(self, request: Any) -> None:
         request.runner = functools.partial(NodeSaveRun, tier=self)
+        request.durable_root = self.home
 
-    def existing(self, folder: Storage) -> tuple[Manifest | None, int]:
+    def existing(self, folder: Storage, step: int) -> tuple[Manifest | None, int]:
         """Rank 0: the save its node recorded in ``folder`` (what a new save replaces)."""
-        held = read_holdings(folder)
+        held = read_holdings(folder, step, self.home)
         newest = max(held.values(), key=lambda h: h.manifest.created, default=None)
         seq = max((h.manifest.seq for h in held.values()), default=0)
         return (newest.manifest if newest else None), seq
@@ -384,12 +458,12 @@ class NodeTier:
         problems: list[str] = []
 
         def send() -> None:
-            _send(g, json.dumps(mine).encode(), nxt)
+            g.send_bytes(json.dumps(mine).encode(), nxt)
             for name in mine:
                 send_file(g, here, m, name, nxt, problems)
 
         def receive() -> dict[str, int]:
-            names = json.loads(bytes(_recv(g, prev)))
+            names = json.loads(bytes(g.recv_bytes(prev)))
             return {n: m.files[n].size for n in names if receive_file(g, here, m, n, prev, problems)}
 
         if k % 2 == 0:
@@ -445,7 +519,7 @@ class NodeTier:
             old, max_seq = read_existing(dst)
             if old is not None and old.save_id == m.save_id:
                 return False
-            refuse_existing(dst, old, max_seq, self.manager._may_replace(cast(int, m.step)))
+            refuse_existing(dst, old, max_seq, self.may_replace(cast(int, m.step)))
             return True
         except Exception as exc:  # noqa: BLE001
             return describe_error(exc)
@@ -457,12 +531,12 @@ class NodeTier:
         dst.delete([n for n in listing if (manifest_seq(n) is not None and (old is None or
                     n != manifest_name(old.seq))) or (DATA_RE.fullmatch(n) and n not in m.files
                     and (old is None or n not in old.files))])
-        self.manager._check_lease()
+        self.check_lease()
         write_manifest(dst, final, "upload")
         read_committed(dst)
         retire_replaced(dst, old, final)
         log.info("step %s is durable in %s", m.step, dst.url)
-        self.manager._after_replication(final)
+        self.after_durable(final)
 
     def _retain_local(self, m: Manifest) -> None:
         """After save ``m`` is whole on the nodes' disks: this node drops the saves of its
@@ -471,58 +545,83 @@ class NodeTier:
         alone: one only some nodes recorded (a job that died then) is not whole, and is
         no reason to delete this."""
         step = cast(int, m.step)
-        drop_replaced(self.local.child(step_folder(step)), m)
+        drop_replaced(self.local.child(step_folder(step)), m, self.home)
         keep = self.manager.local_retention.keep_last
         if not keep:
             return
-        older = [s for s in self.manager._step_folders(self.local) if s < step]
-        recorded = [s for s in older if read_holdings(self.local.child(step_folder(s)))]
+        older = [s for s in step_folders(self.local) if s < step]
+        recorded = [s for s in older if read_holdings(self.local.child(step_folder(s)), s, self.home)]
         spared = set(recorded[max(0, len(recorded) - (keep - 1)):]) if keep > 1 else set()
         for s in older:
             if s not in spared:
-                delete_local(self.local.child(step_folder(s)))
+                delete_local(self.local.child(step_folder(s)), s, self.home)
 
     # -- restoring (foreground group, every rank) ----------------------------------------
-    def holdings(self, step: int | None) -> dict[int, dict[str, Holding]]:
-        return {s: h for s in self.manager._step_folders(self.local) if step in (None, s)
-                if (h := read_holdings(self.local.child(step_folder(s))))}
+    def survey(self, step: int | None) -> Survey:
+        """A node's first rank: what this node's folder holds of this root's saves (of
+        ``step``, or all), and what it passed over."""
+        out = Survey()
+        for s in step_folders(self.local):
+            if step not in (None, s):
+                continue
+            records = read_records(self.local.child(step_folder(s)), s)
+            if held := holdings(records, self.home):
+                out.held[s] = held
+            out.foreign += [(f"{self.local.child(step_folder(s)).url}/{r.name}", r.manifest) for r in records
+                            if r.manifest is not None and not belongs(r.manifest, self.home)]
+            out.skipped += [r.problem for r in records if r.problem and (r.manifest is None or belongs(r.manifest, self.home))]
+        return out
 
-    def choose(self, per_node: list[Any], step: int | None) -> Any:
-        """Rank 0: the newest save whose every file some node or the durable root holds:
-        (folder, manifest bytes, files each node holds, whether the durable root has it)."""
+    def choose(self, surveys: list["Survey | str"], step: int | None) -> list[Option]:
+        """Rank 0: the saves whose every file some node or the durable root holds, newest
+        first (by step, then ``created``); warns of what the nodes passed over."""
+        per_node = [sv.held if isinstance(sv, Survey) else {} for sv in surveys]
+        foreign = [found for sv in surveys if isinstance(sv, Survey) for found in sv.foreign]
+        skipped = [line for sv in surveys if isinstance(sv, Survey) for line in sv.skipped]
+        skipped += [f"node {self.layout.nodes[k]}: its folder could not be read ({sv})"
+                    for k, sv in enumerate(surveys) if isinstance(sv, str)]
+        if foreign:
+            warn_foreign(self.home, foreign)
         saves: dict[tuple[int, str], tuple[Holding, list[set[str]]]] = {}
         for k, held in enumerate(per_node):
             for s, by_id in held.items():
                 for sid, h in by_id.items():
                     entry = saves.setdefault((s, sid), (h, [set() for _ in per_node]))
                     entry[1][k] |= set(h.files)
-        durable = {s: m for s, m in self.manager._committed(self.manager.storage).items() if step in (None, s)}
-        options: list[tuple[Any, ...]] = []
+        durable = {s: m for s, m in committed_steps(self.manager.storage).items() if step in (None, s)}
+        options: list[Option] = []
         partial: list[tuple[int, str]] = []
         for (s, sid), (h, nodes) in saves.items():
             there = set(durable[s].files) if s in durable and durable[s].save_id == sid else set()
             missing = set(h.manifest.files) - set().union(there, *nodes)
             if not missing:
-                options.append((s, h.manifest.created, h.manifest_bytes, [sorted(n) for n in nodes], bool(there)))
+                options.append(Option(s, sid, h.manifest.created, h.manifest_bytes, [sorted(n) for n in nodes],
+                                      bool(there)))
             else:
                 partial.append((s, f"step {s} (save {sid}): {len(missing)} of its {len(h.manifest.files)} files "
-                               "are on no node's disk and not in the durable root"))
+                                   "are on no node's disk and not in the durable root (passed over, never loaded)"))
         for s, m in durable.items():
-            if not any(o[0] == s and decode_manifest(o[2], "").save_id == m.save_id for o in options):
-                options.append((s, m.created, encode_manifest(m), [[] for _ in per_node], True))
-        if not options:
-            return None
-        s, _, data, nodes, there = max(options, key=lambda o: (o[0], o[1]))
-        newer = [text for step_, text in sorted(partial) if step_ >= s]
-        if newer:
-            warn("restore: passed over copies held only in part (never loaded):\n  " + "\n  ".join(newer),
+            if not any(o.step == s and o.save_id == m.save_id for o in options):
+                options.append(Option(s, m.save_id, m.created, encode_manifest(m), [[] for _ in per_node], True))
+        newest = max((o.step for o in options), default=-1)
+        skipped += [text for s, text in sorted(partial) if s >= newest]
+        if skipped:
+            warn("restore: passed over what the nodes' folders hold:\n  " + "\n  ".join(skipped),
                  SkippedCheckpointWarning)
-        return step_folder(s), data, nodes, there
+        return sorted(options, key=lambda o: (o.step, o.created), reverse=True)
 
     def restore(self, state: dict, step: int | None, strict: bool) -> int | None:
-        mine = self.holdings(step) if self.is_leader else None
+        """The newest save whole on the nodes or in the durable root; one that fails to
+        load (on every rank together: rot, a file no node could send) gives way to the
+        next, with a warning."""
+        mine: Survey | str | None = None
+        if self.is_leader:
+            try:
+                mine = self.survey(step)
+            except Exception as exc:  # noqa: BLE001 - this node then holds nothing; the others go on
+                mine = describe_error(exc)
         gathered = self.group.gather(mine)
-        choice = None
+        choice: Any = None
         if self.rank == 0:
             leaders = [self.layout.leader(k) for k in range(len(self.layout.nodes))]
             try:
@@ -532,14 +631,31 @@ class NodeTier:
         choice = self.group.broadcast(choice)
         if isinstance(choice, Exception):
             raise choice
-        if choice is None:
-            if step is not None:
-                raise CheckpointNotFoundError(f"no node and not {self.manager.storage.url} holds step {step} whole")
-            return None
-        folder, data, nodes, durable_ok = choice
+        failed: list[str] = []
+        for option in choice:
+            try:
+                m = self._load(state, option, strict)
+            except (CorruptCheckpointError, StorageError) as exc:  # every rank raised it together
+                failed.append(f"{step_folder(option.step)} (save {option.save_id}): {exc}")
+                continue
+            if failed:
+                warn(f"restored {step_folder(option.step)}; newer saves failed to load:\n  " + "\n  ".join(failed),
+                     SkippedCheckpointWarning)
+            return m.step
+        if failed:
+            raise CorruptCheckpointError("no save the nodes or the durable root hold whole could be restored:\n  "
+                                         + "\n  ".join(failed))
+        if step is not None:
+            raise CheckpointNotFoundError(f"no node and not {self.manager.storage.url} holds step {step} whole")
+        return None
+
+    def _load(self, state: dict, option: Option, strict: bool) -> Manifest:
+        """Load one save: each rank from its node's disk (files it lacks from another
+        node), else the durable root; if that fails, from the durable copy alone."""
+        folder, data = step_folder(option.step), option.manifest_bytes
         m = decode_manifest(data, folder)
-        held = [set(n) for n in nodes]
-        durable = self.manager.storage.child(folder) if durable_ok else None
+        held = [set(n) for n in option.nodes]
+        durable = self.manager.storage.child(folder) if option.durable else None
         try:
             load_manifest(state, Nearest(self.local.child(folder), durable, held[self.node]), m, self.group,
                           strict=strict, allow_pickle=self.manager.allow_pickle,
@@ -551,10 +667,10 @@ class NodeTier:
                  f"{durable.url} instead", SkippedCheckpointWarning)
             load_manifest(state, durable, m, self.group, strict=strict, allow_pickle=self.manager.allow_pickle)
         self.manager.run_id = m.run_id or self.manager.run_id
-        if not durable_ok:
+        if not option.durable:
             self._upload_later(folder, m, data, held[self.node])
-        log.info("restored step %s (%s)", m.step, "local disks" if not durable_ok else "local disks and durable root")
-        return m.step
+        log.info("restored step %s (%s)", m.step, "local disks" if not option.durable else "local disks and durable root")
+        return m
 
     def _upload_later(self, folder: str, m: Manifest, data: bytes, held: set[str]) -> None:
         """After restoring a save the durable root lacks (the last job died before its

@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import Callable, Iterator, NamedTuple, Sequence
 
-from ..errors import ReplicationWarning, warn
+from ..errors import ForeignRunWarning, ReplicationWarning, warn
 from ..format.checksum import RunningChecksum, matches
 from ..format.folder import FolderState, CheckpointState, read_committed
 from ..protocol.commit import DATA_RE
@@ -77,6 +77,23 @@ def copy_file(src: Storage, src_name: str, dst: Storage, dst_name: str, size: in
     if written != size:
         raise SaveAbortedError(f"copying {src.url}/{src_name} to {dst.url}/{dst_name} wrote {written} "
                                f"bytes, expected {size} (did the source change?)")
+
+
+def belongs(m: Manifest, home: str) -> bool:
+    """Whether a local tier's checkpoint was saved for the durable root ``home`` (its
+    URL): only then may a job with that root restore, upload, replace or delete it (a
+    local folder another job used before holds that job's checkpoints)."""
+    return m.durable_root == home
+
+
+def warn_foreign(home: str, found: list[tuple[str, Manifest]]) -> None:
+    """Tell a restoring job of the checkpoints (``(where, manifest)``) of another durable
+    root than its own (``home``) that it found in its local tier, and passed over."""
+    lines = [f"{where}: step {m.step} (save {m.save_id}) for {m.durable_root or 'a durable root it does not name'}"
+             for where, m in found]
+    warn(f"restore: the local tier holds checkpoints of another durable root than {home}; they are never "
+         "restored, uploaded or deleted here (give each durable root its own local folder):\n  "
+         + "\n  ".join(lines), ForeignRunWarning)
 
 
 def committed_files(root: Storage, folders: list[str]) -> set[str]:

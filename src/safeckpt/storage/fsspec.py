@@ -1,7 +1,14 @@
 """Object stores and other fsspec filesystems (``gs://``, ``az://``, ``memory://``, ...).
 
-Nothing here renames: every file is one object written once under its final name,
-with fsspec's ``"xb"`` mode where the backend accepts it. ``open_replace`` streams the
+Nothing here renames: every file is one object written once under its final name. A
+file that fits in one part is created by one request that carries the create-only
+condition (fsspec's ``pipe_file(..., mode="create")``: ``ifGenerationMatch=0`` on GCS,
+``If-None-Match: *`` on Azure); a larger one is streamed with fsspec's ``"xb"`` mode,
+where the condition rides on the upload's completion (GCS's resumable uploads: enforced
+by GCS, not by every emulator; Azure's block list commit). Exclusive create is claimed
+for the filesystems that send such a condition (``CONDITIONAL_CREATE_PROTOCOLS``, each
+tested against an emulator that enforces it), not for the rest (``memory://`` checks,
+then creates). ``open_replace`` streams the
 final object with ``"wb"`` on an object store (it appears whole when its upload
 completes), and on other fsspec filesystems (``memory://``, ...) writes a temporary
 name in the same folder and moves it over the name. S3 has a class of its own
@@ -28,10 +35,12 @@ The error translation (``object_store_error``) is shared by both.
 from __future__ import annotations
 
 import errno
-from typing import Any, Iterable
+import itertools
+from typing import Any, Iterable, Iterator
 
 from ..errors import StorageError
 from .base import Buffer, Replacement, Storage, is_replace_temp, replace_temp_name
+from .urls import install_hint, url_scheme
 
 try:
     import fsspec
@@ -40,6 +49,9 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 
 #: fsspec protocols whose folders are implicit (prefixes): ``remove_folder`` is a no-op
 OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"}
+#: fsspec protocols whose filesystem makes a create conditional, so that the store refuses
+#: it when the name exists (gcsfs and adlfs); a race of creates has exactly one winner
+CONDITIONAL_CREATE_PROTOCOLS = {"gs", "gcs", "az", "abfs", "abfss"}
 PART_SIZE = 64 << 20  # multipart part size; S3 needs at least 5 MiB for all but the last
 MAX_PARTS = 10_000
 PARALLEL_PARTS = 4  # parts in flight at once (memory: about (PARALLEL_PARTS + 1) * PART_SIZE)
@@ -128,9 +140,8 @@ class FsspecStorage(Storage):
 
     atomic_write = True  # an object appears whole, on the completion of its PUT
     merge_reads_below = 32 << 20  # a ranged GET costs a round trip: fetch neighbours together
-    # fsspec's "xb" is at best check-then-create (memory://) or unverified (gcsfs, adlfs):
-    # a create is refused when the name exists, but two racing writers are not provably
-    # kept apart
+    # claimed per filesystem (``CONDITIONAL_CREATE_PROTOCOLS``): elsewhere a create is
+    # refused when the name exists, but two racing writers are not kept apart
     exclusive_create = False
     can_replace = True
 
@@ -139,22 +150,24 @@ class FsspecStorage(Storage):
                  **storage_options: Any) -> None:
         if fsspec is None:
             raise StorageError(f"cannot open {url}: the fsspec backend needs fsspec "
-                               "(pip install 'safeckpt[s3]')")
+                               f"({install_hint(url_scheme(url or ''))})")
         if fs is None:
             try:
                 fs, path = fsspec.core.url_to_fs(url, **storage_options)
             except ImportError as exc:
-                raise StorageError(f"cannot open {url}: {exc} (for s3:// install 'safeckpt[s3]')") from exc
+                raise StorageError(f"cannot open {url}: {exc} ({install_hint(url_scheme(url or ''))})") from exc
             except (ValueError, TypeError) as exc:
                 raise StorageError(f"cannot open {url}: {exc}") from exc
         self.fs = fs
         self.path = (path or "").rstrip("/")
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-        self.protocol = protocols[0]
+        scheme = url_scheme(url or "")
+        self.protocol = scheme if scheme in protocols else protocols[0]  # az://, not abfs://
         self.object_store = bool(OBJECT_STORE_PROTOCOLS.intersection(protocols))
+        self.exclusive_create = type(self).exclusive_create or bool(CONDITIONAL_CREATE_PROTOCOLS.intersection(protocols))
         self.part_size = int(part_size)
         self.parallel_parts = max(1, int(parallel_parts))
-        self.url = fs.unstrip_protocol(self.path) if self.path else f"{self.protocol}://"
+        self.url = self._url(self.path)
         self.endpoint = getattr(fs, "endpoint_url", None)
         if not self.object_store:
             # memory:// (and local-like filesystems) show a file from the moment it is
@@ -172,8 +185,15 @@ class FsspecStorage(Storage):
         sub = object.__new__(type(self))
         sub.__dict__.update(self.__dict__)
         sub.path = path
-        sub.url = self.fs.unstrip_protocol(path) if path else f"{self.protocol}://"
+        sub.url = self._url(path)
         return sub
+
+    def _url(self, path: str) -> str:
+        """The URL of ``path``, in the scheme the storage was opened with."""
+        if not path:
+            return f"{self.protocol}://"
+        url = self.fs.unstrip_protocol(path)
+        return f"{self.protocol}://{url.split('://', 1)[1]}" if "://" in url else url
 
     def _full(self, name: str) -> str:
         return f"{self.path}/{name}" if self.path else name
@@ -186,30 +206,49 @@ class FsspecStorage(Storage):
 
     # -- writing -------------------------------------------------------------------------
     def write_file(self, name: str, parts: Iterable[Buffer]) -> int:
+        """One conditional request when the data fits in one part, else a stream."""
         path = self._full(name)
-        written = 0
+        parts = iter(parts)
+        head = bytearray()
+        rest: "Iterator[Buffer] | None" = None
+        for part in parts:  # the caller's errors come out unchanged
+            view = bytes_view(part)
+            if len(head) + len(view) > self.part_size:
+                rest = itertools.chain([view], parts)
+                break
+            head += view
         try:
-            try:
-                f = self.fs.open(path, "xb", block_size=self.part_size)
-            except (ValueError, NotImplementedError):  # the backend has no create-only mode
-                if self.fs.exists(path):
-                    raise FileExistsError(errno.EEXIST, "file exists", self._where(name)) from None
-                f = self.fs.open(path, "wb", block_size=self.part_size)
-            try:
-                for part in parts:
-                    view = bytes_view(part)
-                    f.write(view)
-                    written += len(view)
-            except BaseException:
-                self._discard(f, path)
-                raise
-            f.close()  # the upload completes (the object appears) here
+            if rest is None:
+                self.fs.pipe_file(path, bytes(head), mode="create")
+                return len(head)
+            return self._stream(path, name, itertools.chain([head], rest))
         except FileExistsError:
             raise
         except OSError as exc:
             if is_precondition_failed(exc):
                 raise FileExistsError(errno.EEXIST, "file exists", self._where(name)) from exc
             raise self._err(exc, "write", name) from exc
+        finally:
+            self.fs.invalidate_cache(self.path)
+
+    def _stream(self, path: str, name: str, parts: "Iterator[Buffer]") -> int:
+        """Write a file larger than one part through fsspec's create-only mode."""
+        written = 0
+        try:
+            f = self.fs.open(path, "xb", block_size=self.part_size)
+        except (ValueError, NotImplementedError):  # the backend has no create-only mode
+            if self.fs.exists(path):
+                raise FileExistsError(errno.EEXIST, "file exists", self._where(name)) from None
+            f = self.fs.open(path, "wb", block_size=self.part_size)
+        try:
+            for part in parts:
+                view = bytes_view(part)
+                f.write(view)
+                written += len(view)
+        except BaseException:
+            self._discard(f, path)
+            raise
+        f.close()  # the upload completes (the object appears) here
         return written
 
     def open_replace(self, name: str) -> Replacement:

@@ -47,6 +47,7 @@ from typing import Any, Iterable, Protocol
 
 from ..errors import CorruptCheckpointError
 from .base import Buffer, Replacement, Storage, is_replace_temp, replace_temp_name, storage_error
+from .mounts import warn_if_fsync_is_weak
 
 _NO_DIR_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES, errno.EPERM, errno.EISDIR}
 _NO_RENAME = {errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
@@ -318,6 +319,8 @@ class LocalStorage(Storage):
         written = 0
         try:
             self._ensure_folder(os.path.dirname(path))
+            if fs is OS_FILESYSTEM:
+                warn_if_fsync_is_weak(os.path.dirname(path))
             fd = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
         except FileExistsError:
             raise

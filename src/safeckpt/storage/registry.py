@@ -18,7 +18,7 @@ from urllib.parse import unquote, urlparse
 from ..errors import StorageError
 from .base import Storage
 from .local import LocalStorage
-from .urls import url_scheme
+from .urls import install_hint, url_scheme
 
 ENTRY_POINT_GROUP = "safeckpt.storage"
 Opener = Callable[..., Storage]
@@ -55,7 +55,7 @@ def _open_fsspec(url: str, **storage_options: Any) -> Storage:
         from .s3 import S3Storage
     except ImportError:
         raise StorageError(f"no storage backend for {url_scheme(url)}:// URLs ({url}); object stores "
-                           "need the fsspec backend: pip install 'safeckpt[s3]'") from None
+                           f"need the fsspec backend: {install_hint(url_scheme(url))}") from None
     return (S3Storage if url_scheme(url) in ("s3", "s3a") else FsspecStorage)(url, **storage_options)
 
 

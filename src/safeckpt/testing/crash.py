@@ -47,8 +47,9 @@ def storage_for_profile(profile: "str | DiskProfile" = "posix", root: str = DEFA
     synchronous, data durable only on fsync, files visible while incomplete, rename
     not atomic), ``windows`` (folder fsync refused, metadata journaled in order and
     committed by a file fsync, replace over an open file fails), ``fuse-object`` (an
-    object-store FUSE mount: a file is uploaded whole on fsync/close, no rename, no
-    append, no folder fsync) -- each a ``LocalStorage`` on a ``SimulatedDisk`` -- and
+    object-store FUSE mount, as rclone without its cache: a file is uploaded on close,
+    not on fsync; a killed writer's file as far as it got; no rename, no append, no
+    folder fsync) -- each a ``LocalStorage`` on a ``SimulatedDisk`` -- and
     ``object-store`` (a ``MemoryObjectStore``: no folders, no rename, atomic PUT,
     conditional create). A ``DiskProfile`` describes a filesystem of your own. The backend has ``crash_after``, ``inject(...)``,
     ``crash(rng, mode)``, ``clone()``, ``files()`` and ``storage(root)``."""

@@ -33,11 +33,12 @@ class DiskProfile:
     ``"explicit"`` on fsync of the folder (strict POSIX), ``"sync"`` at once (NFS: the
     server commits metadata before replying), ``"journal"`` when any file is fsynced
     (an ordered metadata journal, as NTFS), ``"object"`` a file's entry together with
-    its whole content when it is fsynced or closed (an object-store FUSE mount uploads
-    then; deletes are immediate). On an ``"object"`` disk, opening an existing file with
-    ``O_TRUNC`` starts a new object that replaces the old one when it is uploaded
-    (readers see the old one until then); if the process is killed first, the mount
-    uploads what was written (a power cut loses it).
+    its whole content when it is closed (an object-store FUSE mount uploads then: rclone
+    uploads nothing on fsync, s3fs does; deletes are immediate). A process killed while
+    writing has its files closed by the kernel, so the mount uploads what it wrote: a
+    short file (``crash(mode="keep")``); a power cut loses a file not yet closed. On an
+    ``"object"`` disk, opening an existing file with ``O_TRUNC`` starts a new object that
+    replaces the old one when it is uploaded (readers see the old one until then).
     ``torn``: unsynced writes may be torn into garbage (else a file is all or nothing).
     ``dir_open_errno`` / ``dir_fsync_errno``: opening / fsyncing a folder fails so.
     ``rename``: ``"atomic"``, ``"nonatomic"`` (a crash in between leaves both names)
@@ -395,7 +396,8 @@ class SimulatedDisk(CountedBackend):
                     self._make_durable(node, name)
             self._after(kind, path)
             return
-        self._sync_file(node, h.path)
+        if self.profile.entries != "object":  # a FUSE object mount uploads on close only
+            self._sync_file(node, h.path)
         self._after(kind, path)
 
     def _sync_file(self, node: _File, path: str) -> None:
@@ -404,7 +406,7 @@ class SimulatedDisk(CountedBackend):
         mode = self.profile.entries
         if mode == "journal":
             self._commit_journal()
-        elif mode == "object" and not node.uploaded:
+        elif mode == "object" and not node.uploaded:  # at close
             node.uploaded = True
             if node.replaces is not None:
                 self._upload_replacement(node)

@@ -131,6 +131,23 @@ def test_a_writer_that_cannot_start_leaves_the_saves_to_this_process(tmp_path, m
     writer.stop()
 
 
+def test_a_local_tier_save_in_the_writer_names_its_durable_root(tmp_path):
+    """A manager's async save to its local tier is committed by the writer process with
+    the durable root it belongs to, so the manager restores it and its retention keeps
+    it as its own (a local checkpoint without it is another root's: never touched)."""
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    with safeckpt.CheckpointManager(str(durable), local=str(local), async_save=True) as mgr:
+        pid = writer.current_pid()
+        mgr.save(1, _state(1)).result(timeout=120)
+        assert writer.current_pid() not in (None, pid) or pid is not None, "not saved by the writer process"
+    manifest = read_committed(open_storage(local / "step-000000001"))
+    assert manifest.durable_root == open_storage(durable).url
+    state = _state(9)
+    with safeckpt.CheckpointManager(str(durable), local=str(local)) as mgr:
+        assert mgr.restore(state) == 1
+    assert _same(state, _state(1))
+
+
 # -- the saving process ends -------------------------------------------------------
 
 def _child(code: str, tmp_path: Path) -> subprocess.Popen:

@@ -150,6 +150,7 @@ class Job:
     metadata: dict
     metrics: dict
     run_id: str | None
+    durable_root: str | None        # a save on a local tier: the durable root it belongs to
     save_id: str                    # drawn here: after a writer died, its commit can be told apart
     asks: bool                      # the request has a ``before_commit``, which runs here
 
@@ -157,7 +158,7 @@ class Job:
         path, follow, anchor = self.storage
         return SaveRequest(storage or LocalStorage(path, follow_symlinks=follow, anchor=anchor), SingleGroup(),
                            self.overwrite, self.step, self.metadata, self.metrics, before_commit=before_commit,
-                           run_id=self.run_id, save_id=self.save_id)
+                           run_id=self.run_id, durable_root=self.durable_root, save_id=self.save_id)
 
 
 def job_for(request: SaveRequest) -> Job | None:
@@ -174,7 +175,8 @@ def job_for(request: SaveRequest) -> Job | None:
         except (pickle.PicklingError, AttributeError, TypeError):
             return None
     return Job((storage.path, storage.follow_symlinks, storage.anchor), request.overwrite, request.step,
-               request.metadata, request.metrics, request.run_id, new_save_id(), request.before_commit is not None)
+               request.metadata, request.metrics, request.run_id, request.durable_root, new_save_id(),
+               request.before_commit is not None)
 
 
 def commit(job: Job, handover: Handover, buffer: SharedBuffer, request: SaveRequest) -> Manifest:

@@ -11,11 +11,12 @@ For a state, each repeat times, in this order:
   and the same loop spins alone for about as long just before and just after ("alone";
   the mean of the two, so slow drift of a shared machine cancels out). After the
   window the caller just waits for the commit.
-* a control run (safeckpt only): the same save while the same loop runs in *another
-  process* and the main thread sleeps. That loop shares no GIL with the save, so its
+* a control (safeckpt only): the same loop in *another process* spins in the same
+  windows as the main thread's (and is stopped between them), so both loops meet the
+  same contention at the same moments. That loop shares no GIL with the save, so its
   slowdown is what the save costs through the CPU alone (on a 2-core machine that is
-  busy with other work, no core is free for the writer). The rest of the in-process
-  slowdown is the GIL.
+  busy with other work, no core is free for the writer); the difference, per repeat,
+  is the GIL. The CPU time of this process's other threads in the window bounds it.
 
 Slowdown = 1 - (iterations/s with save) / (iterations/s alone). safeckpt's first call
 is a warm-up, reported apart ("first call"): it allocates its reusable staging buffers

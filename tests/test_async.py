@@ -549,3 +549,26 @@ def test_a_save_in_flight_when_the_script_ends_is_committed(tmp_path, how):
     assert proc.returncode == 0 and "safeckpt" not in proc.stderr, proc.stderr
     got = safeckpt.load_state(path if how == "async_save" else path / "step-000000001")
     assert torch.equal(got["w"], torch.arange(1 << 21, dtype=torch.float32)) and got["step"] == 1
+
+
+def test_without_memfd_async_saves_run_on_a_thread(tmp_path):
+    """Where no shared memfd buffer can be made (Windows, macOS: no ``os.memfd_create``),
+    an async save is snapshotted and committed by a thread of the saving process; no
+    writer process starts. A fresh interpreter, as the platform check runs at import."""
+    script = f"""
+import os, sys, torch
+del os.memfd_create  # as on Windows and macOS
+import safeckpt
+from safeckpt.run import asyncsave, writer
+state = {{"w": torch.arange(1 << 20, dtype=torch.float32), "step": 3}}
+fut = safeckpt.async_save(state, {str(tmp_path / "ckpt")!r})
+state["w"].zero_()  # after the snapshot: never saved
+fut.result(timeout=120)
+assert not writer.SUPPORTED and writer.current_pid() is None, "a writer process was started"
+assert asyncsave._default.arena.buffer is None and asyncsave._default.pool.buffers, "not staged on the thread path"
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert proc.returncode == 0, proc.stderr
+    got = safeckpt.load_state(tmp_path / "ckpt")
+    assert got["step"] == 3 and torch.equal(got["w"], torch.arange(1 << 20, dtype=torch.float32))

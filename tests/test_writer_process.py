@@ -9,13 +9,13 @@ layout of the save before (the caller's fast path)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -24,6 +24,7 @@ import torch
 import safeckpt
 import writer_faults  # tests/helpers
 from safeckpt.format.folder import read_committed
+from safeckpt.protocol.checkpoint import SaveRequest
 from safeckpt.run import asyncsave, writer
 from safeckpt.storage import open as open_storage
 from safeckpt.storage.local import LocalStorage
@@ -81,7 +82,7 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.parametrize("when", ["writing its data file", "held before its data file"])
 def test_a_writer_killed_mid_save_fails_the_save_typed_and_the_next_save_works(tmp_path, when):
-    path = tmp_path / ("ckpt@held" if when.startswith("held") else "ckpt")
+    path = tmp_path / ("ckpt@held" if when.startswith("held") else "ckpt@midway")
     old, new = _state(1), _state(2, mib=64)  # a 256 MiB data file
     safeckpt.async_save(old, tmp_path / "warm").result(timeout=120)  # the writer runs
     safeckpt.save(old, path)
@@ -90,8 +91,11 @@ def test_a_writer_killed_mid_save_fails_the_save_typed_and_the_next_save_works(t
     fut = safeckpt.async_save(new, path, overwrite=True)
     if when.startswith("held"):
         time.sleep(0.3)  # the writer waits for a gate it never gets
-    else:
-        _wait_for(lambda: len(_files(path)) > len(before), 60, "the new data file")
+    else:  # the writer wrote part of its data file and waits for the gate before the rest
+        def written() -> int:
+            return sum((path / n).stat().st_size for n in set(_files(path)) - set(before))
+        _wait_for(written, 60, "the first bytes of the new data file")
+        assert written() < new["model"]["w"].nbytes
     assert not fut.done()
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(safeckpt.SaveAbortedError) as err:
@@ -146,6 +150,15 @@ def test_a_local_tier_save_in_the_writer_names_its_durable_root(tmp_path):
     with safeckpt.CheckpointManager(str(durable), local=str(local)) as mgr:
         assert mgr.restore(state) == 1
     assert _same(state, _state(1))
+
+
+def test_every_field_of_a_save_request_reaches_the_writer_or_keeps_the_save_here():
+    """A field added to ``SaveRequest`` is carried by ``writer.Job`` or makes ``job_for``
+    keep the save in this process; else the writer would commit without it."""
+    kept_here = {"storage", "group", "before_commit", "chunk_size", "base", "runner",  # checked by job_for
+                 "allow_pickle", "save_id"}  # the state is flattened here; the writer draws its own id
+    carried = {f.name for f in dataclasses.fields(writer.Job)}
+    assert {f.name for f in dataclasses.fields(SaveRequest)} - kept_here <= carried
 
 
 # -- the saving process ends -------------------------------------------------------

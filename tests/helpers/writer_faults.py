@@ -7,6 +7,8 @@ under a folder whose name ends in
 - ``@eio``: the write of a manifest fails with EIO, unless ``<that folder>.ok`` exists;
 - ``@held``: a data file is created only once a file ``<that folder>.go`` exists (the
   save is held in flight until the test lets it go: ``release``);
+- ``@midway``: a data file's writes after its first wait for that ``.go`` file (a save
+  held in the middle of writing its data file);
 - ``@die``: the process is SIGKILLed right after it wrote, fsynced and closed a manifest
   (a writer process that dies after its commit, before it could say so);
 - ``@keep``: deleting a file fails with EACCES.
@@ -39,11 +41,19 @@ def _under(path: str, marker: str) -> str | None:
     return None
 
 
+def _hold(folder: str) -> None:
+    """Wait until the test lets saves under ``folder`` go on (``release``), or HOLD_S."""
+    deadline = time.monotonic() + HOLD_S
+    while not os.path.exists(folder + ".go") and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def install(patch: Callable[[Any, str, Any], None] = setattr) -> None:
     from safeckpt.storage.local import OSFileSystem
 
     failing: dict[int, int] = {}  # fd -> the errno its writes fail with
     dying: set[int] = set()  # fds of manifests whose close kills the process
+    midway: dict[int, list] = {}  # fd of a data file -> [its folder, written to yet]
     real_open, real_write, real_close = OSFileSystem.open, OSFileSystem.write, OSFileSystem.close
     real_unlink = OSFileSystem.unlink
 
@@ -51,9 +61,7 @@ def install(patch: Callable[[Any, str, Any], None] = setattr) -> None:
         name = os.path.basename(path)
         held = _under(path, "@held")
         if held is not None and name.startswith("data-"):
-            deadline = time.monotonic() + HOLD_S
-            while not os.path.exists(held + ".go") and time.monotonic() < deadline:
-                time.sleep(0.01)
+            _hold(held)
         fd = real_open(self, path, flags, mode)
         failing.pop(fd, None)
         full, eio = _under(path, "@full"), _under(path, "@eio")
@@ -62,6 +70,10 @@ def install(patch: Callable[[Any, str, Any], None] = setattr) -> None:
         elif name.startswith("manifest-") and eio is not None and not os.path.exists(eio + ".ok"):
             failing[fd] = errno.EIO
         dying.discard(fd)
+        midway.pop(fd, None)
+        gate = _under(path, "@midway")
+        if gate is not None and name.startswith("data-"):
+            midway[fd] = [gate, False]
         if name.startswith("manifest-") and _under(path, "@die") is not None:
             dying.add(fd)
         return fd
@@ -74,6 +86,10 @@ def install(patch: Callable[[Any, str, Any], None] = setattr) -> None:
     def write(self, fd, data):
         if fd in failing:  # as the OS reports it
             raise OSError(failing[fd], os.strerror(failing[fd]))
+        if fd in midway:
+            if midway[fd][1]:
+                _hold(midway[fd][0])
+            midway[fd][1] = True
         return real_write(self, fd, data)
 
     def unlink(self, path):
@@ -98,7 +114,7 @@ def fail(folder: "str | os.PathLike[str]") -> None:
 
 
 def release(folder: "str | os.PathLike[str]") -> None:
-    """Let the saves held under ``folder`` (a name ending in ``@held``) go on."""
+    """Let the saves held under ``folder`` (a name ending in ``@held`` or ``@midway``) go on."""
     Path(str(folder) + ".go").touch()
 
 

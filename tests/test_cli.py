@@ -768,3 +768,84 @@ def test_a_missing_fsspec_package_is_named_for_its_scheme():
     for line, hint in zip(lines, wanted):
         assert hint in line, (hint, line)
     assert "safeckpt[s3]" not in "".join(lines[:3])
+
+
+def test_show_of_a_checkpoint_holding_an_int_over_4300_digits(tmp_path, capsys):
+    """Python writes no int of more than 4300 decimal digits as text; ``show`` of a
+    checkpoint holding one as a value, a dict key and in its metadata writes it in hex
+    (and ``--json`` as a hex string) instead of failing."""
+    from safeckpt.cli import main
+
+    big = 2 ** 20000 + 1
+    safeckpt.save({"n": big, "k": {big: 1}, "t": torch.ones(1)}, tmp_path / "ckpt", metadata={"n": big})
+    assert main(["show", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert hex(big)[:40] in out and f"k.{hex(big)[:40]}" in out, out
+    assert main(["show", "--json", str(tmp_path / "ckpt")]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert hex(big) in json.dumps(shown), shown
+
+
+# --------------------------------------------------------------------------- paths that are not files or folders
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+def test_import_of_a_fifo_or_a_device_is_refused_at_once(tmp_path):
+    """A FIFO no one writes and ``/dev/zero`` (which never ends) as the source of
+    ``safeckpt import``: one error line saying what the path is, at once (the import
+    used to block forever), and nothing at DEST."""
+    fifo = tmp_path / "model.pt"
+    os.mkfifo(fifo)
+    sources = [(fifo, "is a FIFO")] + [(Path("/dev/zero"), "is a character device")] * os.path.exists("/dev/zero")
+    runs = [subprocess.Popen([sys.executable, "-m", "safeckpt", "import", str(source), str(tmp_path / "out")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=BASE_ENV,
+                             stdin=subprocess.DEVNULL) for source, _ in sources]
+    for p, (source, what) in zip(runs, sources):
+        try:
+            stdout, stderr = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            for q in runs:
+                q.kill()
+            pytest.fail(f"safeckpt import {source} still reading after 60 s")
+        one_error_line(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr), str(source), what,
+                       "imports regular files only")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_hugging_face_file_is_named_with_where_it_was_listed(tmp_path, capsys):
+    """A shard named by the index but not there names the index; a ``model.safetensors``
+    that is a link to nothing (a Hugging Face cache whose blob is gone) says so, never
+    "listed in None"."""
+    from safeckpt.cli import main
+
+    st = pytest.importorskip("safetensors.torch")
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    sharded.mkdir()
+    single.mkdir()
+    st.save_file({"a": torch.ones(2)}, sharded / "model-00001-of-00002.safetensors")
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (single / "model.safetensors").symlink_to(tmp_path / "blobs" / "gone")
+    for folder, why in ((sharded, "model-00002-of-00002.safetensors is missing (listed in "
+                                  "model.safetensors.index.json)"),
+                        (single, "model.safetensors is a link to nothing (the folder's weights file")):
+        assert main(["import", str(folder), str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and why in err[0] and "None" not in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+def test_ls_of_a_fifo_or_a_device_says_what_it_is(tmp_path, capsys):
+    """``ls`` (and ``show``, ``verify``) of a FIFO or a device says what it is, not
+    "there is no such folder" (a folder's listing leaves such entries out)."""
+    from safeckpt.cli import main
+
+    os.mkfifo(tmp_path / "pipe")
+    paths = [(tmp_path / "pipe", "it is a FIFO, not a checkpoint folder")]
+    paths += [(Path("/dev/null"), "it is a character device, not a checkpoint folder")] * os.path.exists("/dev/null")
+    for path, what in paths:
+        for command in ("ls", "show", "verify"):
+            assert main([command, str(path)]) == 2
+            err = capsys.readouterr().err.splitlines()
+            assert len(err) == 1 and err[0].startswith("safeckpt: error: no checkpoint at ") and what in err[0], err

@@ -169,6 +169,16 @@ def name_etc_passwd(ckpt: Path) -> list[str]:
     return [_manifest(ckpt).name, "/etc/passwd"]
 
 
+def name_replace_temp(ckpt: Path) -> list[str]:
+    """The data file under the name of a temporary file of safeckpt's replacements,
+    which its cleanup deletes as garbage (format §2.5): the manifest is invalid even
+    though the file is there, whole."""
+    temp = f".{_data(ckpt).name}.safeckpt-0123456789ab.tmp"
+    _data(ckpt).rename(ckpt / temp)
+    _rewrite(ckpt, lambda m: _rename_data(m, temp))
+    return [_manifest(ckpt).name, temp, "temporary file"]
+
+
 def huge_header_length(ckpt: Path) -> list[str]:
     data = _data(ckpt)
     with open(data, "r+b") as f:
@@ -203,7 +213,7 @@ def range_beyond_file_grown(ckpt: Path) -> list[str]:
 SCENARIOS = {f.__name__: f for f in (
     flipped_tensor_byte, flipped_header_byte, truncated_data, extra_tail, missing_data,
     truncated_manifest, garbled_manifest, future_version, name_parent_dir, name_parent_dir_nested,
-    name_absolute_copy, name_etc_passwd, huge_header_length, range_beyond_file,
+    name_absolute_copy, name_etc_passwd, name_replace_temp, huge_header_length, range_beyond_file,
     range_beyond_file_grown,
 )}
 

@@ -370,6 +370,39 @@ def test_two_threads_asking_at_once_share_one_manager(tmp_path, monkeypatch):
     made[0].close()
 
 
+@pytest.mark.slow  # two processes importing accelerate: about 20 s on 2 cores
+def test_an_fsdp_sharded_save_state_is_sealed_with_its_dcp_index_and_resumes(tmp_path):
+    """FSDP with SHARDED_STATE_DICT on 2 gloo ranks: save_state writes
+    torch.distributed.checkpoint folders, each with its ``.metadata`` index. The step is
+    sealed with both indexes, a fresh model resumes every rank's shards exactly, and a
+    damaged index is found by verify."""
+    if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
+        pytest.skip("needs FSDP2's fully_shard (torch >= 2.6)")
+    from damage import assert_a_flipped_byte_is_found  # tests/helpers: not on the path of this file's children
+
+    src = str(Path(safeckpt.__file__).resolve().parent.parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    root = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(Path(__file__).parent / "helpers" / "accelerate_fsdp_child.py"), str(root)],
+                          env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    result = json.loads((tmp_path / "run.json").read_text())
+    assert result["problems"] == [] and result["restored"] == 1, result
+    assert [r["differ"] for r in result["ranks"]] == [[], []]
+    assert result["ranks"][0]["shards"]["p.0.weight"] == 32  # half of the 8x8 weight: really sharded
+
+    folder = root / "step-000000001"
+    (manifest,) = folder.glob("manifest-*.json")
+    named = {f["name"] for f in json.loads(manifest.read_text())["safeckpt"]["files"]}
+    assert {"pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"} <= named, sorted(named)
+    on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    assert on_disk - named == {manifest.name}  # every file the tools wrote is sealed
+    assert_a_flipped_byte_is_found(folder, "pytorch_model_fsdp_0/.metadata")
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
     torch.set_num_threads(1)  # before the fork: the killed run must not inherit an OpenMP pool

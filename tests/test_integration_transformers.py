@@ -609,10 +609,42 @@ def test_seal_over_a_safeckpt_save_keeps_its_tensors(tmp_path):
 def test_seal_refuses_empty_folders_and_unnameable_files(tmp_path):
     with pytest.raises(safeckpt.CheckpointNotFoundError):
         seal(tmp_path / "nothing")
-    (tmp_path / ".hidden").write_text("x")
-    with pytest.raises(ValueError, match="hidden"):
-        seal(tmp_path)
-    assert not [n for n in os.listdir(tmp_path) if n.startswith("manifest-")]
+    (tmp_path / "ok.json").write_text("x")
+    bad = ["a b.bin", "-x.bin", "..x", "sub/caf\u00e9.bin"]
+    for name in bad:
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("x")
+    with pytest.raises(safeckpt.InvalidFileNameError) as exc:
+        safeckpt.seal(tmp_path)
+    assert isinstance(exc.value, safeckpt.CheckpointError) and isinstance(exc.value, ValueError)
+    assert sorted(exc.value.problems) == sorted(bad)
+    assert all(repr(name) in str(exc.value) for name in bad) and "§2.5" in str(exc.value)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("manifest-")]  # nothing written
+
+
+def test_seal_covers_the_hidden_index_of_a_dcp_folder(tmp_path):
+    """FSDP's SHARDED_STATE_DICT under Accelerate or the Trainer is a
+    torch.distributed.checkpoint folder, which cannot be loaded without its ``.metadata``
+    index: it is sealed with it, so a damaged index is found. The temporary file an
+    interrupted replacement of safeckpt left is garbage, not part of the seal."""
+    import torch.distributed.checkpoint as dcp
+    from damage import assert_a_flipped_byte_is_found  # tests/helpers: not on the path of this file's children
+
+    (tmp_path / "trainer_state.json").write_text("{}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP says it saves as one process
+        dcp.save({"w": torch.arange(6.0)}, checkpoint_id=str(tmp_path / "pytorch_model_fsdp_0"))
+    temp = tmp_path / ".trainer_state.json.safeckpt-0123456789ab.tmp"
+    temp.write_text("{")
+    info = safeckpt.seal(tmp_path)
+    assert "pytorch_model_fsdp_0/.metadata" in info.files and temp.name not in info.files
+    assert safeckpt.verify(tmp_path).ok
+    back = {"w": torch.zeros(6)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(back, checkpoint_id=str(tmp_path / "pytorch_model_fsdp_0"))
+    assert torch.equal(back["w"], torch.arange(6.0))
+    assert_a_flipped_byte_is_found(tmp_path, "pytorch_model_fsdp_0/.metadata")
 
 
 if __name__ == "__main__":

@@ -255,6 +255,107 @@ def test_a_damaged_best_checkpoint_is_not_loaded_at_the_end(tmp_path):
     assert holds(t.model, tmp_path / "out" / "checkpoint-4")
 
 
+# -- a resumed run over an older run's checkpoints ------------------------------------------------
+
+def scores(*values: float) -> dict:
+    """Evaluations every 2 steps whose ``score`` (greater is better) takes ``values`` in turn."""
+    left = list(values)
+    return {"eval_strategy": "steps", "eval_steps": 2, "compute_metrics": lambda _: {"score": left.pop(0)},
+            "metric_for_best_model": "score", "greater_is_better": True, "max_steps": 8}
+
+
+def seals(out: Path) -> dict[str, str | None]:
+    """Each checkpoint's seal (its save id), None for a folder without one."""
+    from safeckpt.integrations._sealed import seal_of
+    return {p.name: (m.save_id if (m := seal_of(str(p))) else None) for p in sorted(out.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def older_run(tmp_path_factory) -> dict:
+    """A run saving (sealed) at 2, 4, 6 and 8, evaluating before each save; the best
+    score at step 4 is 2."""
+    out = tmp_path_factory.mktemp("older") / "out"
+    trainer("callback", out, **scores(1, 2, 3, 4)).train()
+    return {"out": out, "seals": seals(out)}
+
+
+@pytest.mark.parametrize("kind", ["callback", "safe"])
+def test_a_resumed_best_strategy_run_replaces_only_the_checkpoints_it_saves(older_run, tmp_path, kind):
+    """Resumed from checkpoint-4 with save_strategy="best": step 6 is a new best and is
+    saved (the older run's folder replaced, then sealed), step 8 is not, so the older
+    run's sealed checkpoint-8 must stay as it was, as the stock Trainer keeps it."""
+    out = copy_of(older_run, tmp_path)
+    t = trainer(kind, out, save_strategy="best", **scores(5, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", safeckpt.SafeckptWarning)
+        t.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    now, before = seals(out), older_run["seals"]
+    assert list(now) == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"], now
+    assert {k: now[k] for k in ("checkpoint-2", "checkpoint-4", "checkpoint-8")} == \
+        {k: before[k] for k in ("checkpoint-2", "checkpoint-4", "checkpoint-8")}  # untouched
+    assert now["checkpoint-6"] not in (None, before["checkpoint-6"])  # saved again, sealed anew
+    history = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())["log_history"]
+    assert [e["eval_score"] for e in history if "eval_score" in e] == [1, 2, 5]  # the resumed run's files
+    for name in now:
+        assert hf.checkpoint_problem(str(out / name)) is None, name
+    assert hf.last_checkpoint(out) == str(out / "checkpoint-8")
+
+
+def test_a_resumed_best_strategy_run_with_two_evaluation_datasets(older_run, tmp_path):
+    """With a dict of evaluation datasets the callback hears ``on_evaluate`` once per
+    dataset, and only the second carries ``metric_for_best_model``: the new best at step
+    6 is still seen in time to replace the older run's checkpoint-6 (sealed, no
+    warning), and checkpoint-8 is kept."""
+    out = copy_of(older_run, tmp_path)
+    left = [9, 5, 9, 0]  # (a, b) at step 6, then at step 8; the best so far is 2
+    t = trainer("callback", out, save_strategy="best", eval_strategy="steps", eval_steps=2, max_steps=8,
+                compute_metrics=lambda _: {"score": left.pop(0)}, metric_for_best_model="b_score",
+                greater_is_better=True)
+    t.eval_dataset = {"a": Tokens(8, seed=1), "b": Tokens(8, seed=2)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", safeckpt.SafeckptWarning)
+        t.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    now, before = seals(out), older_run["seals"]
+    assert not left and now["checkpoint-8"] == before["checkpoint-8"]
+    assert now["checkpoint-6"] not in (None, before["checkpoint-6"])
+    assert hf.checkpoint_problem(str(out / "checkpoint-6")) is None
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_a_callback_forcing_a_save_over_an_older_checkpoint(older_run, tmp_path, order):
+    """A resumed run that saves nothing by itself; a callback forces a save at step 6 in
+    ``on_evaluate``, which the Trainer writes into the older run's sealed checkpoint-6.
+    Listed before SafeCheckpointCallback, the old folder is deleted first and the new
+    save sealed. Listed after it, the callback decided before the save was forced, so the
+    folder may mix both saves: it loses its seal and is not sealed again (a warning says
+    why). Nothing else is touched either way."""
+    from transformers import TrainerCallback
+
+    class SaveAt6(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kwargs):
+            if state.global_step == 6:
+                control.should_save = True
+
+    out = copy_of(older_run, tmp_path)
+    t = trainer("callback", out, callbacks=[SaveAt6()] if order == "before" else [], save_strategy="no",
+                **scores(0, 0))
+    if order == "after":
+        t.add_callback(SaveAt6())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    said = [str(w.message) for w in caught if issubclass(w.category, safeckpt.SafeckptWarning)]
+    now, before = seals(out), older_run["seals"]
+    assert {k: v for k, v in now.items() if k != "checkpoint-6"} == {k: v for k, v in before.items() if k != "checkpoint-6"}
+    if order == "before":
+        assert now["checkpoint-6"] not in (None, before["checkpoint-6"]) and not said, said
+        assert hf.checkpoint_problem(str(out / "checkpoint-6")) is None
+    else:
+        assert now["checkpoint-6"] is None
+        assert len(said) == 1 and "checkpoint-6 into the sealed checkpoint an older run left" in said[0], said
+    assert hf.last_checkpoint(out) == str(out / "checkpoint-8")
+
+
 # -- just-in-time checkpoints ------------------------------------------------------------------
 
 def test_jit_checkpoint_of_safetrainer_is_sealed(tmp_path):

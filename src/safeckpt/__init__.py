@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CleanupWarning,
-                     CorruptCheckpointError, ForeignRunWarning, PartialLoadWarning, ReplicationWarning,
-                     SafeckptWarning, SaveAbortedError, SkippedCheckpointWarning, StateMismatchError,
+                     CorruptCheckpointError, ForeignRunWarning, InvalidFileNameError, PartialLoadWarning,
+                     ReplicationWarning, SafeckptWarning, SaveAbortedError, SkippedCheckpointWarning, StateMismatchError,
                      StorageError, UnsafeObjectError, UnsupportedFeatureError, UnsupportedFormatError,
                      WeakStorageWarning)
 
@@ -44,7 +44,7 @@ __all__ = [
     "CheckpointManager", "list_checkpoints", "CheckpointStatus", "CheckpointState", "export_checkpoint",
     "import_checkpoint", "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError",
     "CorruptCheckpointError", "SaveAbortedError", "StateMismatchError", "StorageError",
-    "UnsafeObjectError", "UnsupportedFeatureError",
+    "UnsafeObjectError", "UnsupportedFeatureError", "InvalidFileNameError",
     "SafeckptWarning", "SkippedCheckpointWarning", "CleanupWarning", "ForeignRunWarning",
     "PartialLoadWarning", "ReplicationWarning", "WeakStorageWarning",
 ]

@@ -65,6 +65,17 @@ class UnsupportedFeatureError(CheckpointError, NotImplementedError):
     before anything is written rather than saved differently."""
 
 
+class InvalidFileNameError(CheckpointError, ValueError):
+    """A file that a manifest would have to name breaks the file name rules
+    (docs/format.md §2.5), so the folder cannot be sealed; nothing was written.
+
+    ``problems`` maps each such file (relative to the folder) to why."""
+
+    def __init__(self, message: str, problems: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = dict(problems or {})
+
+
 class SaveAbortedError(CheckpointError, RuntimeError):
     """A save failed on one or more ranks and was aborted everywhere; nothing was committed.
 

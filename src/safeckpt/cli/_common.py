@@ -18,8 +18,10 @@ import click
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsafeObjectError
 from ..format.states import CheckpointState
 from ..format.names import manifest_seq, step_of
+from ..format.text import too_long, value_repr
 from ..format.tree import decode_value
 from ..storage import Storage, StorageWrapper
+from ..storage.local import not_regular
 from ..storage import open as open_storage
 
 ENV_OPTIONS = "SAFECKPT_STORAGE_OPTIONS"
@@ -280,13 +282,16 @@ def compact(value: Any, limit: int = 80) -> str:
     elif isinstance(value, dict) and all(isinstance(k, str) for k in value):
         out = ", ".join(f"{k}={compact(v, limit)}" for k, v in value.items()) if value else "{}"
     else:
-        out = repr(value)
+        out = value_repr(value)
     out = " ".join(out.split())
     return out if len(out) <= limit else out[:limit - 3] + "..."
 
 
 def jsonable(value: Any) -> Any:
-    """A decoded value as JSON: plain types as they are, anything else as its repr."""
+    """A decoded value as JSON: plain types as they are (an int too long for decimal
+    text in hex), anything else as its repr."""
+    if isinstance(value, int) and not isinstance(value, bool) and too_long(value):
+        return hex(value)
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -295,7 +300,7 @@ def jsonable(value: Any) -> Any:
         return [jsonable(v) for v in value]
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         return {k: jsonable(v) for k, v in value.items()}
-    return repr(value)
+    return value_repr(value)
 
 
 # --------------------------------------------------------------------------- the tree
@@ -357,6 +362,9 @@ def locate(path: str, options: dict[str, Any]) -> Place:
     if not listing:
         from ..format.folder import read_committed
 
+        kind = None if is_url(path) else not_regular(path.removeprefix("file://"))
+        if kind and kind != "a folder":  # a listing leaves FIFOs and devices out: "no such folder" would be wrong
+            raise CheckpointNotFoundError(f"no checkpoint at {storage.url}: it is {kind}, not a checkpoint folder")
         read_committed(storage, listing)  # raises, saying whether it is a file or nothing
     raise CheckpointNotFoundError(
         f"no checkpoint at {storage.url}: it has no manifest and no step-NNNNNNNNN folders, and none of its "

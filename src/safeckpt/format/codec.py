@@ -137,7 +137,7 @@ def encode(value: Any, key: str, on_tensor: Callable[[str, torch.Tensor], JSON],
             return out
     if kind is dict or kind is collections.OrderedDict:
         for k, v in itertools.islice(value.items(), len(values), None):
-            name = f"{key}.{k}" if key else str(k)
+            name = (f"{key}.{k}" if key else k) if type(k) is str else child_key(key, k)
             values.append(on_tensor(name, v) if fast and type(v) in _TENSORS else
                           encode(v, name, on_tensor, on_object, allow_pickle, inner))
         tag = "$dict" if kind is dict else "$odict"

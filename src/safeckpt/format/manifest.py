@@ -11,16 +11,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import secrets
 from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any
 
+from .text import key_text
 from .tree import check_tree, child_key, decode_value, items_of, tag_of
 from .checksum import ALGORITHM, BLOCK_SIZE, checksum, checksum_of, is_checksum
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
-from .names import MANIFEST_RE, is_shared, manifest_name, manifest_seq, root_path, shared_location, step_of  # noqa: F401
+from .names import (MANIFEST_RE, is_shared, manifest_name, manifest_seq, name_problem, root_path,  # noqa: F401
+                    shared_location, step_of)
 from .records import Chunk, FileEntry, TensorEntry  # noqa: F401 - the manifest's parts
 from .compact import TableEntry, TensorTable, decode_table, from_entries, tie_error
 from . import transformed as stored_as
@@ -33,25 +34,15 @@ WRITE_VERSION = 3  # what a save writes: compact tensor tables (compact.py)
 _PREFIX = b'{"safeckpt":'
 _SUFFIX_START = b',"checksum":"' + ALGORITHM.encode() + b":"
 _SUFFIX_LEN = len(_SUFFIX_START) + 16 + len(b'"}\n')
-_SAFE_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=@,-]*", re.ASCII)
 
 
 def check_relpath(name: object, where: str, siblings: bool = False) -> str:
-    """A file name from a manifest must stay inside the checkpoint folder; with
+    """A file name from a manifest must stay inside the checkpoint folder (§2.5); with
     ``siblings`` it may also be ``../step-NNNNNNNNN/<file>``, a file of a sibling
     checkpoint in the same run root, and nothing further away."""
-    if not isinstance(name, str) or not name or "\\" in name or name.startswith("/"):
-        raise CorruptCheckpointError(f"{where}: file name {name!r} is not a relative path inside the checkpoint")
-    parts = name.split("/")
-    if siblings and parts[0] == ".." and len(parts) == 3:
-        if step_of(parts[1]) is None:
-            raise CorruptCheckpointError(
-                f"{where}: file name {name!r} refers to a folder that is not a checkpoint of the run "
-                "(step-NNNNNNNNN)")
-        parts = parts[1:]
-    for part in parts:
-        if part in ("", ".", "..") or not _SAFE_PART.fullmatch(part):
-            raise CorruptCheckpointError(f"{where}: file name {name!r} leaves the checkpoint folder or is not allowed")
+    why = name_problem(name, siblings)
+    if why is not None or not isinstance(name, str):
+        raise CorruptCheckpointError(f"{where}: file name {name!r} is not allowed: {why}")
     return name
 
 
@@ -342,7 +333,7 @@ def children(node: Any, where: str) -> dict:
     mapping's keys as strings, a list's or tuple's items by index."""
     tag = tag_of(node)
     if tag in MAPPING_TAGS:
-        return {str(k): v for k, v in items_of(node, where, False)}
+        return {key_text(k): v for k, v in items_of(node, where, False)}
     if tag in ("list", "$tuple"):
         return dict(items_of(node, where, False))
     raise CorruptCheckpointError(f"{where}: expected a container")

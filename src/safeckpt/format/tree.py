@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import CheckpointError, CorruptCheckpointError, UnsafeObjectError
 from .dtypes import ITEMSIZES, QUANTIZED
+from .text import key_text
 
 JSON = Any
 MAX_DEPTH = 100  #: containers nested deeper than this are refused on save and on load
@@ -83,8 +84,9 @@ def decode_leaf(node: JSON, key: str, allow_pickle: bool) -> Any:
 
 
 def child_key(prefix: str, key: Any) -> str:
-    """The dotted name of a child, as in a ``state_dict``: ``model`` + ``w`` -> ``model.w``."""
-    return f"{prefix}.{key}" if prefix else str(key)
+    """The dotted name of a child, as in a ``state_dict``: ``model`` + ``w`` -> ``model.w``
+    (an int key too long for decimal text in hex: ``text.key_text``)."""
+    return f"{prefix}.{key_text(key)}" if prefix else key_text(key)
 
 
 def decode_key(node: JSON, key: str, allow_pickle: bool) -> Any:

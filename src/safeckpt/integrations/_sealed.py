@@ -138,9 +138,14 @@ def _size(storage: Storage, name: str) -> int | None:
         return None
 
 
+def unseal(path: str) -> None:
+    """Remove the seal of a folder (every manifest, durably); its files stay."""
+    retire(open_storage(path), keep=None)
+
+
 def remove_folder(path: str) -> None:
     """Delete a folder: its manifests first (durably), then everything else."""
     if not os.path.isdir(path):
         return
-    retire(open_storage(path), keep=None)
+    unseal(path)
     shutil.rmtree(path)

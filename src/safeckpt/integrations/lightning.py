@@ -86,6 +86,7 @@ from ..errors import (CleanupWarning, CorruptCheckpointError, SafeckptWarning, S
                       UnsafeObjectError, warn)
 from ..format.folder import retire
 from ..format.manifest import manifest_seq
+from ..format.tree import child_key
 from ..interop.torchfile import check_torch_file, host_snapshot, write_torch_file
 from ..protocol.checkpoint import CheckpointInfo, gc_paused, load_state, save_request
 from ..protocol.checkpoint import verify as safeckpt_verify
@@ -96,7 +97,7 @@ from ..protocol.state import is_stateful
 from ..run.asyncsave import AsyncSaver
 from ..run.garbage import garbage_in
 from ..storage import LocalStorage, Storage, is_remote
-from ..storage.base import is_replace_temp
+from ..format.names import is_replace_temp
 from ..storage import open as open_storage
 
 __all__ = ["SafeCheckpointIO", "SafeModelParallelStrategy", "SafeFSDPStrategy", "load_from_checkpoint",
@@ -588,7 +589,7 @@ def _refuse_stateful(value: Any, url: str, key: str = "") -> None:
         return
     if isinstance(value, dict):
         for k, v in value.items():
-            _refuse_stateful(v, url, f"{key}.{k}" if key else str(k))
+            _refuse_stateful(v, url, child_key(key, k))
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             _refuse_stateful(v, url, f"{key}.{i}" if key else str(i))

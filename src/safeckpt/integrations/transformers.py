@@ -62,7 +62,8 @@ from ..protocol.checkpoint import save
 from ..format.manifest import Manifest
 from ..interop.sealing import seal
 from ..protocol.shards import RankLocal
-from ._sealed import barrier, check_named, newest_intact, remove_folder, seal_of, seal_problem, sealed_or_why
+from ._sealed import (barrier, check_named, newest_intact, remove_folder, seal_of, seal_problem, sealed_or_why,
+                      unseal)
 from ._fsdp import ShardedModel, ShardedOptimizer, is_fsdp
 
 __all__ = [
@@ -174,10 +175,28 @@ def _seal(path: str, step: int, sealed_by: str) -> None:
     log.info("sealed %s (%d files, %d bytes, %.3fs)", path, len(info.files), info.bytes, info.seconds)
 
 
-def _may_save(args: Any, control: Any) -> bool:
-    """Whether the Trainer may save at the end of this step or epoch (with
-    ``save_strategy="best"`` it decides only after the evaluation)."""
-    return bool(control.should_save or (args.save_strategy == SaveStrategy.BEST and control.should_evaluate))
+def _may_save(control: Any) -> bool:
+    """Whether the Trainer may save at the end of this step or epoch: it is going to, or
+    it evaluates first (with ``save_strategy="best"``, and for callbacks that set
+    ``control.should_save`` in ``on_evaluate``, the decision comes after it)."""
+    return bool(control.should_save or control.should_evaluate)
+
+
+def _new_best(args: Any, state: Any, metrics: dict | None) -> bool:
+    """Whether this evaluation is a new best by the Trainer's rule
+    (``metric_for_best_model``, ``greater_is_better``), the one moment
+    ``save_strategy="best"`` saves. Read in ``on_evaluate``, before the Trainer updates
+    ``state.best_metric``."""
+    name = args.metric_for_best_model
+    if name is None:
+        return False
+    value = (metrics or {}).get(name if name.startswith("eval_") else f"eval_{name}")
+    if value is None:
+        return False  # another evaluation dataset's metric, or the Trainer raises KeyError
+    best = state.best_metric
+    if best is None:
+        best = float("-inf") if args.greater_is_better else float("inf")
+    return bool(value > best if args.greater_is_better else value < best)
 
 
 @contextlib.contextmanager
@@ -196,32 +215,47 @@ def _trainer_rotation_off(args: Any) -> Iterator[None]:
 class SafeCheckpointCallback(TrainerCallback):
     """Seal every ``checkpoint-N`` the Trainer writes and rotate safely.
 
-    Before a step that may save, a folder an older run left at that step is deleted
-    (manifest first), and the Trainer's own rotation is switched off until the save is
-    sealed (``args.save_total_limit`` reads None only in that window). In ``on_save``
-    (synchronously: callbacks listed before this one have run) every process has
-    finished, the main process seals the folder, then deletes sealed checkpoints
-    beyond ``save_total_limit`` as the Trainer would, manifest first, never the newest
-    sealed one nor ``state.best_model_checkpoint``. ``save_total_limit`` defaults to
-    the TrainingArguments' value."""
+    At the end of a step or epoch that may save, the Trainer's own rotation is switched
+    off until the save is sealed (``args.save_total_limit`` reads None only in that
+    window). A folder an older run left at that step is deleted (manifest first) only
+    once the Trainer is going to write it: at once when it does not evaluate first, else
+    in the first ``on_evaluate`` that decides a save (``control.should_save``, or with
+    ``save_strategy="best"`` a new best by the Trainer's rule), so a checkpoint the
+    resumed run does not replace is kept, as the stock Trainer keeps it. In ``on_save`` (synchronously: callbacks listed before
+    this one have run) every process has finished, the main process seals the folder,
+    then deletes sealed checkpoints beyond ``save_total_limit`` as the Trainer would,
+    manifest first, never the newest sealed one nor ``state.best_model_checkpoint``.
+    ``save_total_limit`` defaults to the TrainingArguments' value."""
 
     def __init__(self, save_total_limit: int | None = _FROM_ARGS) -> None:
         self.save_total_limit = save_total_limit
         self._window: contextlib.ExitStack | None = None
+        self._pending = False  # in a window: an older run's folder at this step not yet dealt with
+        self._older: str | None = None  # the save id of the seal an older run left at this step
 
     def _close_window(self) -> None:
         if self._window is not None:
             self._window.close()
             self._window = None
+        self._pending = False
 
     def _before_save(self, args: Any, state: Any, control: Any) -> None:
         self._close_window()  # a window that ended without a save
-        if not _may_save(args, control):
+        self._older = _seal_id(_folder(args, state)) if args.should_save else None
+        if not _may_save(control):
             return
         self._window = contextlib.ExitStack()
         self._window.enter_context(_trainer_rotation_off(args))
+        self._pending = True
+        if not control.should_evaluate:  # nothing comes between this and the save
+            self._clear(args, state)
+
+    def _clear(self, args: Any, state: Any) -> None:
+        """The Trainer is going to save this step: delete the folder an older run left
+        there (manifest first) before any process writes into it."""
+        self._pending = False
         if args.should_save:
-            remove_folder(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+            remove_folder(_folder(args, state))
         barrier()  # no process writes into the folder while it is being removed
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -229,6 +263,13 @@ class SafeCheckpointCallback(TrainerCallback):
 
     def on_epoch_end(self, args, state, control, **kwargs):
         self._before_save(args, state, control)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        # once per evaluation dataset, each with its own metrics (the same on every process)
+        if not self._pending:
+            return
+        if _new_best(args, state, metrics) if args.save_strategy == SaveStrategy.BEST else control.should_save:
+            self._clear(args, state)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._close_window()
@@ -241,14 +282,35 @@ class SafeCheckpointCallback(TrainerCallback):
         barrier()  # every process has written its files
         if not args.should_save:
             return
-        path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        path = _folder(args, state)
         if not os.path.isdir(path):
             warn(f"SafeCheckpointCallback: the Trainer saved, but {path} does not exist "
                  "(hyperparameter search runs are not supported); nothing sealed", SafeckptWarning)
             return
+        found = _seal_id(path)
+        if found is not None and found == self._older:  # written over a checkpoint not expected to be saved
+            unseal(path)
+            warn(f"SafeCheckpointCallback: the Trainer saved {path} into the sealed checkpoint an older run "
+                 "left there, which SafeCheckpointCallback did not expect to be written (a callback listed after "
+                 "it changed control.should_save, or a Trainer with its own rule for the best checkpoint). Its "
+                 "files may mix both saves, so it is not sealed and nothing resumes from it. List "
+                 "SafeCheckpointCallback after callbacks that change control.should_save, or use SafeTrainer.",
+                 SafeckptWarning)
+            return
         _seal(path, state.global_step, "SafeCheckpointCallback")
         limit = args.save_total_limit if self.save_total_limit is _FROM_ARGS else self.save_total_limit
         rotate(args.output_dir, limit, best=state.best_model_checkpoint, just_saved=path)
+
+
+def _folder(args: Any, state: Any) -> str:
+    """The ``checkpoint-N`` the Trainer saves at this step."""
+    return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+
+def _seal_id(path: str) -> str | None:
+    """The save id of the seal of ``path``; None when it has none (or does not exist)."""
+    m = seal_of(path) if os.path.isdir(path) else None
+    return m.save_id if m is not None else None
 
 
 # -- SafeTrainer -----------------------------------------------------------------------

@@ -14,6 +14,8 @@ into the new checkpoint instead of holding the state in memory.
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import logging
 import mmap
@@ -22,7 +24,6 @@ import pickle
 import re
 import struct
 import tempfile
-import zipfile
 from typing import Any, Callable
 
 import torch
@@ -34,6 +35,7 @@ from ..errors import (CheckpointError, CheckpointNotFoundError,
                      CorruptCheckpointError, UnsafeObjectError)
 from ..format.plan import PlanError, check_coverage
 from ..storage import Storage, is_remote
+from ..storage.local import OS_FILESYSTEM, not_regular
 from ..storage.urls import install_hint, url_scheme
 from ..format.dtypes import is_shape
 from ..format.tensors import SAFETENSORS_DTYPES, nbytes_of
@@ -46,14 +48,27 @@ _SAFETENSORS_TO_TORCH = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items
 __all__ = ["import_checkpoint", "detect_format", "read_foreign", "read_safetensors", "FORMATS"]
 
 
+def _open(path: str) -> io.BufferedReader:
+    """A file of the source, opened only if it is a regular file (links followed: a
+    Hugging Face cache is made of them). Anything else is refused at once, by the rule
+    local storage reads by (``open_reader``): a FIFO would block the import forever and
+    a device (``/dev/zero``) never end."""
+    try:
+        return io.BufferedReader(OS_FILESYSTEM.open_reader(path, follow_symlinks=True))  # type: ignore[arg-type]  # a FileIO
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"no file at {path}") from exc
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise CheckpointNotFoundError(
+                f"{path} is {not_regular(path) or 'not a regular file'}, not a checkpoint file: safeckpt "
+                "imports regular files only") from exc
+        raise CheckpointNotFoundError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+
 def read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a safetensors file, memory-mapped (copy-on-write), so a
     large file is not read into memory up front. Parsed here: no extra dependency."""
-    try:
-        f = open(path, "rb")
-    except OSError as exc:
-        raise CheckpointNotFoundError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    with f:
+    with _open(path) as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
@@ -112,30 +127,26 @@ def _weights_only_error(path: str, exc: BaseException) -> UnsafeObjectError:
 
 def read_torch(path: str) -> Any:
     """A ``torch.save`` file, read with ``weights_only=True``: a zip archive (every
-    ``torch.save`` since torch 1.6) by ``torchzip``, its CRC-32s checked and tensors
-    memory-mapped; the legacy format, which carries no checksum, by ``torch.load``. A
-    file that is neither (it does not start as a pickle does) is refused as not a
-    checkpoint before torch's unpickler can call its bytes a dangerous pickle."""
+    ``torch.save`` since torch 1.6) by ``torchzip``, every field of its structure and
+    its CRC-32s checked and tensors memory-mapped; the legacy format, which carries no
+    checksum, by ``torch.load``. A file that is neither (it does not start as a pickle
+    does) is refused as not a checkpoint before torch's unpickler can call its bytes a
+    dangerous pickle."""
+    with _open(path) as f:
+        kind = torchzip.torch_format(f.read(32))
+    if kind is None:
+        raise CorruptCheckpointError(
+            f"{path}: not a checkpoint (neither a torch.save file, which is a zip archive or a "
+            "pickle that starts with torch's magic number, nor a safetensors file); give the path of the "
+            "checkpoint file itself")
     try:
-        if not zipfile.is_zipfile(path):
-            with open(path, "rb") as f:
-                if torchzip.LEGACY_MAGIC not in f.read(32):
-                    raise CorruptCheckpointError(
-                        f"{path}: not a checkpoint (neither a torch.save file, which is a zip archive or a "
-                        "pickle that starts with torch's magic number, nor a safetensors file); give the path of the "
-                        "checkpoint file itself")
-        if zipfile.is_zipfile(path):
+        if kind == "zip":
             mm = _map(path)
-            try:
-                return torchzip.load_archive(mm, 0, len(mm), path)
-            except pickle.UnpicklingError as exc:
-                raise _weights_only_error(path, exc) from exc
-        with torchzip.numpy_allowed():
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torchzip.load_archive(mm, 0, len(mm), path)
+        with _open(path) as f, torchzip.numpy_allowed():
+            return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise _weights_only_error(path, exc) from exc
-    except FileNotFoundError as exc:
-        raise CheckpointNotFoundError(f"no file at {path}") from exc
     except (RuntimeError, EOFError, ValueError) as exc:
         if isinstance(exc, CheckpointError):
             raise
@@ -187,7 +198,7 @@ def read_dcp(path: str) -> dict:
 
     meta_path = os.path.join(path, ".metadata")
     try:
-        with open(meta_path, "rb") as f:
+        with _open(meta_path) as f:
             metadata = _DcpMetadataUnpickler(f).load()
         entries = dict(metadata.state_dict_metadata)
         planner_data = dict(metadata.planner_data or {})
@@ -195,8 +206,8 @@ def read_dcp(path: str) -> dict:
     except pickle.UnpicklingError as exc:
         raise UnsafeObjectError(f"{meta_path}: refused: {exc}; safeckpt only reads DCP metadata "
                                 "records from it") from exc
-    except FileNotFoundError as exc:
-        raise CheckpointNotFoundError(f"{path} is not a torch.distributed.checkpoint folder (no .metadata)") from exc
+    except CheckpointNotFoundError as exc:
+        raise CheckpointNotFoundError(f"{path} is not a torch.distributed.checkpoint folder ({exc})") from exc
     except Exception as exc:  # noqa: BLE001 - truncated or garbled
         raise CorruptCheckpointError(
             f"{meta_path}: cannot read the DCP metadata ({type(exc).__name__}: {exc})") from exc
@@ -233,11 +244,11 @@ def read_dcp(path: str) -> dict:
 
 def _map(path: str) -> mmap.mmap:
     """A data file, memory-mapped copy-on-write (tensors are views of it)."""
-    try:
-        with open(path, "rb") as f:
+    with _open(path) as f:
+        try:
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    except (OSError, ValueError) as exc:
-        raise CorruptCheckpointError(f"cannot read {path}: {exc}") from exc
+        except (OSError, ValueError) as exc:
+            raise CorruptCheckpointError(f"cannot read {path}: {exc}") from exc
 
 
 def _assemble(fqn: str, entry: Any, read: Callable[[Any], Any], where: str) -> torch.Tensor:
@@ -282,7 +293,7 @@ def detect_format(path: str) -> str:
             "torch.distributed.checkpoint folder (.metadata)")
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"no file or folder at {path}")
-    with open(path, "rb") as f:
+    with _open(path) as f:
         head = f.read(9)
     if path.endswith(".safetensors") or (len(head) == 9 and head[8:9] == b"{"):
         return "safetensors"
@@ -298,11 +309,11 @@ def _read_hf(path: str) -> tuple[dict[str, torch.Tensor], dict]:
         files, expected = [single], None
     else:
         try:
-            with open(os.path.join(path, pick)) as f:
+            with _open(os.path.join(path, pick)) as f:
                 index = json.load(f)
             weight_map = index["weight_map"]
             assert isinstance(weight_map, dict)
-        except (OSError, ValueError, KeyError, AssertionError) as exc:
+        except (OSError, ValueError, KeyError, AssertionError, TypeError) as exc:
             raise CorruptCheckpointError(f"{path}/{pick}: not a valid index (needs a weight_map)") from exc
         files, expected = sorted(set(weight_map.values())), weight_map
     out: dict[str, torch.Tensor] = {}
@@ -311,8 +322,10 @@ def _read_hf(path: str) -> tuple[dict[str, torch.Tensor], dict]:
         if "/" in name or "\\" in name or name.startswith("."):
             raise CorruptCheckpointError(f"{path}/{pick}: file name {name!r} leaves the folder")
         full = os.path.join(path, name)
-        if not os.path.isfile(full):
-            raise CorruptCheckpointError(f"{path}: {name} is missing (listed in {pick})")
+        if not os.path.exists(full):  # a link to nothing: a Hugging Face cache whose file is gone
+            what = "a link to nothing" if os.path.islink(full) else "missing"
+            listed = f"listed in {pick}" if pick else "the folder's weights file; it has no *.index.json"
+            raise CorruptCheckpointError(f"{path}: {name} is {what} ({listed})")
         if name.endswith(".safetensors"):
             tensors, meta = read_safetensors(full)
         else:

@@ -25,9 +25,9 @@ from ..protocol.checkpoint import CheckpointInfo, new_save_id, plain_values
 from ..format.folder import retire
 from ..format.checksum import BLOCK_SIZE, file_checksum
 from ..protocol.commit import DATA_RE, read_existing, write_manifest
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..format.manifest import (FileEntry, Manifest, check_relpath, encode_values, is_shared,
-                       manifest_seq)
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidFileNameError
+from ..format.manifest import FileEntry, Manifest, encode_values, is_shared, manifest_seq
+from ..format.names import NAME_RULE, is_replace_temp, name_problem
 from ..storage import Storage
 from ..storage import open as open_storage
 
@@ -57,9 +57,11 @@ def _checksum_of(storage: Storage, name: str, size: int) -> str:
 
 
 def _foreign(name: str) -> bool:
-    """Files the seal checksums: everything except safeckpt's own manifests and data files."""
+    """Files the seal checksums: everything except safeckpt's own manifests and data
+    files, and the temporary files of its replacements (garbage of one interrupted)."""
     top = "/" not in name
-    return not (top and (manifest_seq(name) is not None or DATA_RE.fullmatch(name)))
+    return not ((top and (manifest_seq(name) is not None or DATA_RE.fullmatch(name)))
+                or is_replace_temp(name.rpartition("/")[2]))
 
 
 def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None = None,
@@ -73,8 +75,9 @@ def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None
     sequence number and keeps that checkpoint's data files, tensors, values, metrics,
     step and metadata (``metadata`` is merged into it, ``step`` replaces it when given);
     older manifests are removed afterwards. Raises ``CheckpointNotFoundError`` for an empty or missing
-    folder, ``ValueError`` for a file name a manifest cannot hold, and
-    ``CheckpointExistsError`` when another process commits the same sequence first.
+    folder, ``InvalidFileNameError`` (a ``ValueError``) naming each file whose name a manifest
+    cannot hold (docs/format.md §2.5) before anything is written, and ``CheckpointExistsError``
+    when another process commits the same sequence first.
 
     ``written`` maps names to the ``(size, checksum)`` their writers computed while
     writing them (safeckpt's DeepSpeed engine): a file still of that size is not read
@@ -93,16 +96,13 @@ def seal(path: str | os.PathLike[str] | Storage, *, storage_options: dict | None
     if not listing:
         raise CheckpointNotFoundError(f"nothing to seal at {storage.url}: the folder is empty or missing")
     names = sorted(n for n in listing if _foreign(n))
-    bad = []
-    for name in names:
-        try:
-            check_relpath(name, storage.url)
-        except CorruptCheckpointError:
-            bad.append(name)
+    bad = {name: why for name in names if (why := name_problem(name)) is not None}
     if bad:
-        raise ValueError(
-            f"cannot seal {storage.url}: a manifest cannot name {bad} (hidden files, spaces or other "
-            "characters outside [A-Za-z0-9._+=@,-]); remove or rename them and seal again")
+        raise InvalidFileNameError(
+            f"cannot seal {storage.url}: a manifest cannot name "
+            + "; ".join(f"{name!r} ({why})" for name, why in bad.items())
+            + f". A file name in a manifest must be {NAME_RULE}; rename or remove these files and seal again. "
+            "Nothing was written.", bad)
 
     files: dict[str, FileEntry] = {}
     if existing is not None:  # safeckpt's own data files keep their records (and tensors)

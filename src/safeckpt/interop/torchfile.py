@@ -4,8 +4,9 @@
 - ``write_torch_file``: ``torch.save`` streamed into ``Storage.open_replace``: the
   file replaces the old one atomically and is durable before it is visible, and the
   checkpoint is never serialized into memory first;
-- ``check_torch_file``: the archive's zip structure and the CRC-32 of every record
-  (``torchzip.check_archive``), before ``torch.load`` trusts it;
+- ``check_torch_file``: every field of the archive's zip structure that torch's reader
+  uses, and the CRC-32 of every record (``torchzip.check_archive``), before
+  ``torch.load`` trusts it;
 - ``host_snapshot``: a copy of an object whose tensors live in host memory, for a save
   in the background, which ``torch.save`` writes to exactly the bytes the original
   would have given (the same storages shared, each recorded with its own device).
@@ -24,7 +25,7 @@ from ..protocol.staging import StagingPool
 from ..protocol.state import FlatState, Piece
 from ..errors import CorruptCheckpointError
 from ..storage import Storage
-from .torchzip import LEGACY_MAGIC, ZIP_MAGIC, check_archive
+from .torchzip import check_archive, torch_format
 
 _SNAPSHOT_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -48,11 +49,12 @@ def check_torch_file(f: IO[bytes], where: str) -> bool:
     ``CorruptCheckpointError``."""
     head = f.read(32)
     f.seek(0)
-    if head.startswith(ZIP_MAGIC):
-        checked = check_archive(f, where)
+    kind = torch_format(head)
+    if kind == "zip":
+        checked = check_archive(f, where).checked
         f.seek(0)
         return checked
-    if LEGACY_MAGIC in head:
+    if kind == "legacy":
         return False  # the legacy format records no checksum
     what = "empty" if not head else "neither a zip archive nor the legacy format"
     raise CorruptCheckpointError(f"{where}: not a torch.save file ({what}); it was torn or changed after it "

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import copy
 import errno
-import re
-import secrets
 from abc import ABC, abstractmethod
 from types import TracebackType
 from typing import Iterable
@@ -132,20 +130,6 @@ class Storage(ABC):
         if size is None:
             raise FileNotFoundError(errno.ENOENT, "no such file", f"{self.url}/{name}")
         return size
-
-
-def replace_temp_name(name: str) -> str:
-    """A fresh temporary name for a replacement of ``name`` in the same folder: hidden,
-    and with a suffix no trainer looks for (Lightning lists ``*.ckpt``)."""
-    head, _, tail = name.rpartition("/")
-    return f"{head}/" * bool(head) + f".{tail}.safeckpt-{secrets.token_hex(6)}.tmp"
-
-
-def is_replace_temp(name: str, of: str | None = None) -> bool:
-    """Whether ``name`` is a temporary file of a replacement of ``of`` (of any file if
-    None) in the same folder."""
-    target = re.escape(of) if of is not None else ".+"
-    return re.fullmatch(rf"\.{target}\.safeckpt-[0-9a-f]{{12}}\.tmp", name) is not None
 
 
 class Replacement(ABC):

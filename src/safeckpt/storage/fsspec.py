@@ -39,7 +39,8 @@ import itertools
 from typing import Any, Iterable, Iterator
 
 from ..errors import StorageError
-from .base import Buffer, Replacement, Storage, is_replace_temp, replace_temp_name
+from .base import Buffer, Replacement, Storage
+from ..format.names import is_replace_temp, replace_temp_name
 from .urls import install_hint, url_scheme
 
 try:

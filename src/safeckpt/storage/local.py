@@ -46,7 +46,8 @@ from types import TracebackType
 from typing import Any, Iterable, Protocol
 
 from ..errors import CorruptCheckpointError
-from .base import Buffer, Replacement, Storage, is_replace_temp, replace_temp_name, storage_error
+from .base import Buffer, Replacement, Storage, storage_error
+from ..format.names import is_replace_temp, replace_temp_name
 from .mounts import warn_if_fsync_is_weak
 
 _NO_DIR_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES, errno.EPERM, errno.EISDIR}
@@ -199,6 +200,22 @@ def _writeback_call() -> Any:
 _sync_file_range = _writeback_call()
 OS_FILESYSTEM = OSFileSystem()
 WRITEBACK_EVERY = 16 << 20  #: ``write_file`` starts the writeback of each this many bytes as they are written
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def not_regular(path: str) -> str | None:
+    """What the local ``path`` is, in words, when it is there but not a regular file
+    (links followed): ``"a FIFO"``, ``"a folder"``, ...; None for a regular file or
+    nothing. The words for what ``open_reader`` refuses to read."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
 
 
 def fsync_folder(path: str, fs: FileSystem | None = None) -> bool:

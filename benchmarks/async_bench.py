@@ -5,6 +5,8 @@ CPU-bound Python loop running on the main thread meanwhile.
 For a state, each repeat times, in this order:
 * ``memcopy``: a plain copy of every tensor into preallocated host memory (the floor
   of any snapshot; the buffers are allocated and touched outside the timing), 3 times;
+* ``safeckpt.save``: the blocking call, once (the cache flushed before), which the
+  async calls are compared with: their blocked time, and the loop time they cost;
 * ``safeckpt.async_save`` and ``dcp.async_save``: the wall time of the call (the
   caller is blocked until it returns), then a pure-Python loop spins on the main
   thread while the background save runs, for at most --window seconds ("with save"),
@@ -226,6 +228,7 @@ def run_async_case(case: str, state: dict, repeat: int, workdir: Path, tools: li
             wall, _ = copy.timed()
             if r:
                 res["memcopy_s"].append(wall)
+        sync_s = time_sync_save(state, workdir / f"sync-{case}-{r}") if r else float("nan")
         for tool in tools:
             rec = res["tools"].setdefault(tool, {"runs": [], "control": [], "first": None, "error": None})
             if rec["error"] or (r == 0 and tool not in WARM_UP):
@@ -238,6 +241,7 @@ def run_async_case(case: str, state: dict, repeat: int, workdir: Path, tools: li
                                 spinner if tool in control_tools else None)
                 after = copy.timed()
                 one["memcopy_s"], one["memcopy_cpu_s"] = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
+                one["sync_save_s"] = sync_s
                 if r:
                     rec["runs"].append(one)
                     if "control" in one:
@@ -263,7 +267,9 @@ def run_async_case(case: str, state: dict, repeat: int, workdir: Path, tools: li
         rec["total"] = summary([x["total_s"] for x in runs])
         rec["paired"] = {key: spread([f(x) for x in runs]) for key, f in (
             ("blocked_x", lambda x: x["blocked_s"] / x["memcopy_s"]),
-            ("blocked_cpu_x", lambda x: x["blocked_cpu_s"] / x["memcopy_cpu_s"]))}
+            ("blocked_cpu_x", lambda x: x["blocked_cpu_s"] / x["memcopy_cpu_s"]),
+            ("blocked_vs_sync", lambda x: x["blocked_s"] / x["sync_save_s"]),
+            ("loop_lost_vs_sync", loop_lost_vs_sync))}
         gil = [x["slowdown"] - x["control"]["slowdown"] for x in runs if "control" in x]
         if gil:
             rec["paired"]["gil_points"] = spread(gil)
@@ -274,6 +280,26 @@ def run_async_case(case: str, state: dict, repeat: int, workdir: Path, tools: li
                 rec[key] = {"median": statistics.median(sl), "min": min(sl), "max": max(sl), "runs": sl}
     release_staging()
     return res
+
+
+def time_sync_save(state: dict, path: Path) -> float:
+    """Seconds of one ``safeckpt.save`` of ``state`` (the blocking call), cache flushed before."""
+    import safeckpt
+
+    os.sync()
+    t0 = time.perf_counter()
+    safeckpt.save(state, str(path))
+    took = time.perf_counter() - t0
+    remove(path)
+    os.sync()
+    return took
+
+
+def loop_lost_vs_sync(run: dict) -> float:
+    """The loop's time an async save took (blocked, then its slowdown until the commit)
+    ÷ the time the blocking ``safeckpt.save`` of the same repeat stops it for."""
+    slowdown = run["slowdown"] if run["window_s"] > 0 else 0.0
+    return (run["blocked_s"] + slowdown * (run["total_s"] - run["blocked_s"])) / run["sync_save_s"]
 
 
 def spread(values: list[float]) -> dict:
@@ -348,30 +374,36 @@ def async_table(cases: dict[str, dict], sync_save_s: dict[str, float] | None = N
     sync_save_s = sync_save_s or {}
     lines = ["### async save: time the caller is blocked", "",
              "| state | MiB | tensors | op | blocked s median | min–max | × memcopy | range over repeats "
-             "| × dcp.async_save | first call s | commit after s | × sync save |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| × dcp.async_save | first call s | commit after s | blocked × sync save (range) "
+             "| loop time lost × sync save (range) |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, c in cases.items():
         mc = c["memcopy"]["median_s"]
         dcp_b = c["tools"].get("dcp.async_save", {}).get("blocked", {}).get("median_s")
         mc_vs_dcp = f"{mc / dcp_b:.2f}" if dcp_b else "–"
         lines.append(f"| {name} | {c['bytes'] / MiB:,.0f} | {c['n_tensors']:,} | memcopy (preallocated) | "
                      f"{mc:.3f} | {c['memcopy']['min_s']:.3f}–{c['memcopy']['max_s']:.3f} | 1.00 | | "
-                     f"{mc_vs_dcp} |  |  |  |")
+                     f"{mc_vs_dcp} |  |  |  |  |")
         for tool, rec in c["tools"].items():
             if "blocked" not in rec:
-                lines.append(f"| {name} | | | {tool} | ERROR: {rec.get('error')} | | | | | | | |")
+                lines.append(f"| {name} | | | {tool} | ERROR: {rec.get('error')} | | | | | | | | |")
                 continue
             b, x = rec["blocked"], rec["paired"]["blocked_x"]
             vs_dcp = f"{b['median_s'] / dcp_b:.2f}" if dcp_b else "–"
             sync = sync_save_s.get(name)
             first = f"{rec['first']['blocked_s']:.3f}" if rec.get("first") else "–"
+            vs, lost = rec["paired"].get("blocked_vs_sync"), rec["paired"].get("loop_lost_vs_sync")
             lines.append(f"| {name} | | | {tool} | {b['median_s']:.3f} | {b['min_s']:.3f}–{b['max_s']:.3f} | "
                          f"{x['median']:.2f} | {x['min']:.2f}–{x['max']:.2f} | {vs_dcp} | "
                          f"{first} | {rec['total']['median_s']:.3f} | "
-                         + (f"{b['median_s'] / sync:.2f} |" if sync else "– |"))
+                         + (f"{vs['median']:.2f} ({vs['min']:.2f}–{vs['max']:.2f}) | "
+                            f"{lost['median']:.2f} ({lost['min']:.2f}–{lost['max']:.2f}) |" if vs and lost else
+                            f"{b['median_s'] / sync:.2f} | – |" if sync else "– | – |"))
     lines += ["", "× memcopy = the median over repeats of blocked ÷ the memcopies just before and after the call "
               "(the memcopy row: its own median); commit after = from the call to the commit (the loop spins during "
-              "the first seconds of it); × sync save = blocked ÷ median safeckpt.save of the same state.", "",
+              "the first seconds of it); × sync save = blocked ÷ the blocking safeckpt.save of the same state timed in the "
+              "same repeat; loop time lost = blocked + the loop's slowdown × (commit after − blocked), what the async "
+              "save cost the loop, against the whole blocking call, which stops it.", "",
               "### async save: slowdown of a CPU-bound Python loop on the main thread while the "
               "background save runs", "",
               "| state | op | loop it/s alone | loop it/s with save | slowdown median | min–max | "

@@ -10,6 +10,7 @@ layout of the save before (the caller's fast path)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import signal
 import subprocess
@@ -324,3 +325,35 @@ def test_warnings_of_the_writer_reach_the_caller(tmp_path):
         safeckpt.async_save(_state(2), path, overwrite=True).result(timeout=120)
     assert _same(safeckpt.load_state(path), _state(2))
     assert old & set(_files(path)), "the replaced version was deleted after all"
+
+
+def _staging_buffers(pid: int) -> int:
+    """How many shared staging buffers process ``pid`` holds open (by descriptors: a
+    mapping holds one of its own)."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:safeckpt-staging"):
+                found.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        except OSError:
+            pass  # closed meanwhile
+    return len(found)
+
+
+def test_a_saver_never_closed_frees_its_buffer_here_and_in_the_writer(tmp_path):
+    """A saver dropped without ``close`` (a manager nobody closed): the garbage collector
+    frees its shared buffer in this process and has the writer let go of it too, so
+    savers made and dropped one after another hold no staging copy each."""
+    safeckpt.async_save(_state(1), tmp_path / "warm").result(timeout=120)  # the writer runs
+    pid = writer.current_pid()
+    here, there = _staging_buffers(os.getpid()), _staging_buffers(pid)
+    for i in range(3):
+        saver = asyncsave.AsyncSaver()
+        saver.submit(_state(i), safeckpt.protocol.checkpoint.save_request(tmp_path / f"s{i}")).result(timeout=120)
+        assert _staging_buffers(os.getpid()) == here + 1
+        del saver
+        gc.collect()
+    assert _staging_buffers(os.getpid()) == here
+    safeckpt.async_save(_state(5), tmp_path / "last").result(timeout=120)  # carries what could not go at once
+    _wait_for(lambda: _staging_buffers(pid) <= there, 10, "the writer to let go of the dropped buffers")
+    assert writer.current_pid() == pid

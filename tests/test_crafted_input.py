@@ -8,6 +8,8 @@ count it and ``restore()`` falls back past it to the older good step.
 
 from __future__ import annotations
 
+import base64
+import collections
 import dataclasses
 import json
 import struct
@@ -16,10 +18,12 @@ import tracemalloc
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 import torch
 
 import safeckpt
+from safeckpt.format import codec
 from safeckpt.format.checksum import block_checksums
 from safeckpt.interop.imports import import_checkpoint, read_safetensors
 from safeckpt.format.manifest import decode_manifest, editable, encode_manifest, frame
@@ -170,6 +174,81 @@ CRAFTED = {
 def test_a_crafted_manifest_is_a_corrupt_checkpoint(ckpt, case):
     manifest = craft(ckpt, CRAFTED[case])
     assert_refused(ckpt, manifest)
+
+
+def _raw_value(raw: bytes) -> Callable[[dict], bytes]:
+    """``meta.v`` written as the raw JSON ``raw`` (a number Python's json would not write)."""
+    def mutate(body: dict) -> bytes:
+        body["tree"]["meta"]["v"] = "__V__"
+        return json.dumps(body).encode().replace(b'"__V__"', raw)
+    return mutate
+
+
+#: forms docs/format.md §7 forbids that an earlier decoder accepted, each a value it
+#: changed silently (finding h): (mutation, the key path the error must name)
+NONCANONICAL = {
+    "$dtype alias int": (_set(["tree", "meta", "v"], {"$dtype": "int"}), "meta.v"),
+    "$dtype alias half": (_set(["tree", "meta", "v"], {"$dtype": "half"}), "meta.v"),
+    "$float finite": (_set(["tree", "meta", "v"], {"$float": "1.5"}), "meta.v"),
+    "$float Infinity": (_set(["tree", "meta", "v"], {"$float": "Infinity"}), "meta.v"),
+    "$complex int parts": (_set(["tree", "meta", "v"], {"$complex": [1, 2]}), "meta.v"),
+    "$int small": (_set(["tree", "meta", "v"], {"$int": "0x5"}), "meta.v"),
+    "$int binary": (_set(["tree", "meta", "v"], {"$int": "0b" + "1" * 60}), "meta.v"),
+    "$int leading zeros": (_set(["tree", "meta", "v"], {"$int": "0x0" + "f" * 15}), "meta.v"),
+    "$ndarray shape -1": (_set(["tree", "meta", "v"],
+                               {"$ndarray": {"dtype": "<i4", "shape": [-1], "data": "AQAAAAIAAAA="}}), "meta.v"),
+    "$ndarray short data": (_set(["tree", "meta", "v"],
+                                 {"$ndarray": {"dtype": "<i4", "shape": [3], "data": "AQAAAAIAAAA="}}), "meta.v"),
+    "$ndarray dtype alias": (_set(["tree", "meta", "v"],
+                                  {"$ndarray": {"dtype": "int32", "shape": [1], "data": "AQAAAA=="}}), "meta.v"),
+    "$npscalar two items": (_set(["tree", "meta", "v"], {"$npscalar": {"dtype": "<i4", "data": "AQAAAAIAAAA="}}),
+                            "meta.v"),
+    "$bytes pad bits": (_set(["tree", "meta", "v"], {"$bytes": "AB=="}), "meta.v"),
+    "$device cuda:01": (_set(["tree", "meta", "v"], {"$device": "cuda:01"}), "meta.v"),
+    "$odict duplicate keys": (_set(["tree", "meta", "ids"], {"$odict": [["a", 1], ["a", 2]]}), "meta.ids"),
+    "$dict keys 1 and true": (_set(["tree", "meta", "ids"], {"$dict": [[1, "x"], [True, "y"]]}), "meta.ids"),
+    "$dict duplicate tuple keys": (_set(["tree", "meta", "ids"], {"$dict": [[{"$tuple": [1, 2]}, "x"],
+                                                                             [{"$tuple": [1, 2]}, "y"]]}), "meta.ids"),
+    "$set 1 and 1.0": (_set(["tree", "meta", "tags"], {"$set": [1, 1.0]}), "meta.tags"),
+    "json number 1e999": (_raw_value(b"1e999"), "meta.v"),
+    "json literal NaN": (_raw_value(b"NaN"), "meta.v"),
+    "json int 2**60": (_set(["tree", "meta", "v"], 2**60), "meta.v"),
+}
+
+
+@pytest.mark.parametrize("case", list(NONCANONICAL))
+def test_a_value_in_a_form_the_format_forbids_is_a_corrupt_checkpoint(tmp_path, case):
+    """Refused as a corrupt checkpoint naming the manifest and the key path, never
+    decoded to some value (``int`` for ``torch.int32``, one of two equal keys, ...)."""
+    ckpt = tmp_path / "ck"
+    safeckpt.save(_state(), ckpt)
+    mutate, key = NONCANONICAL[case]
+    manifest = craft(ckpt, mutate)
+    with pytest.raises(safeckpt.CorruptCheckpointError) as info:
+        safeckpt.load_state(ckpt)
+    assert manifest.name in str(info.value) and f"{key!r}" in str(info.value), info.value
+    report = safeckpt.verify(ckpt)
+    assert not report.ok and f"{key!r}" in report.problems[0]
+
+
+class _Token:
+    """Compared by identity: two of them with the same state pickle alike but are two keys."""
+
+    def __hash__(self) -> int:
+        return 1
+
+
+def test_keys_that_look_alike_but_are_two_keys_save_and_load(tmp_path):
+    """The other side of refusing two equal keys: keys Python keeps apart whose encoded
+    forms are the same (two NaNs, which equal nothing; two pickles of objects compared by
+    identity) are saved, load back as two keys, and verify."""
+    nan = float("nan")
+    state = {"d": {nan: 1, float("nan"): 2}, "s": {nan, float("nan")}, "t": {(1, nan): 1, (1, float("nan")): 2},
+             "c": {complex(nan, 0): 1, complex(nan, 0): 2}, "p": {_Token(): 1, _Token(): 2}}
+    safeckpt.save(state, tmp_path / "ck", allow_pickle=True)
+    loaded = safeckpt.load_state(tmp_path / "ck", allow_pickle=True)
+    assert {k: len(v) for k, v in loaded.items()} == {k: 2 for k in state}
+    assert safeckpt.verify(tmp_path / "ck").ok
 
 
 _FORMAT_1_ONLY = ("shape", "dtype", "chunk", "tensors")  # cases that edit format 1's per-tensor entries
@@ -514,3 +593,108 @@ def test_fuzzed_safetensors_headers_read_or_raise_a_checkpoint_error(tmp_path, h
     header["x"] = entry
     src = _safetensors(tmp_path / "f.safetensors", json.dumps(header).encode(), bytes(32))
     _outcome(lambda: read_safetensors(str(src)))
+
+
+# --------------------------------------------------------------------------- one form per value
+
+def _b64_variants(data: bytes) -> st.SearchStrategy:
+    """Base64 of ``data``, and near misses: padding dropped, a last character changed
+    (which may set unused bits), whitespace."""
+    text = base64.b64encode(data).decode()
+    body = text.rstrip("=")
+    changed = [body[:-1] + c + text[len(body):] for c in "ABQgw/" if body]
+    return st.sampled_from([text, body, text + "\n", *changed])
+
+
+_INT_TEXT = st.integers(-2**80, 2**80).flatmap(lambda v: st.sampled_from(
+    [hex(v), str(v), f"{v:#X}", f"{v:+d}", "0" + str(abs(v)), hex(v).replace("x", "x0"), bin(v), f"{v:_}"]))
+_FLOAT_TEXT = st.sampled_from(["inf", "-inf", "nan", "-nan", "NaN", "Infinity", "1.5", "1e999", "+inf", " inf"])
+_NP_DTYPES = st.sampled_from(["<i4", "int32", "=i4", ">i4", "|b1", "?", "<U2", "<U0", "|S0", "|S1", "|O", "<f8",
+                              "f8", "<M8[ns]", "|V4", "<c8", "|u1", "u1"])
+_PART = st.one_of(st.floats(), st.integers(-3, 3), st.builds(lambda t: {"$float": t}, _FLOAT_TEXT))
+_TAGGED = st.one_of(
+    st.builds(lambda t: {"$int": t}, st.one_of(_INT_TEXT, st.text(max_size=5))),
+    st.builds(lambda t: {"$float": t}, st.one_of(_FLOAT_TEXT, st.floats())),
+    st.builds(lambda p: {"$complex": p}, st.lists(_PART, min_size=1, max_size=3)),
+    st.builds(lambda t: {"$bytes": t}, st.binary(max_size=7).flatmap(_b64_variants)),
+    st.builds(lambda t: {"$dtype": t}, st.sampled_from(["int", "long", "half", "float", "double", "cfloat", "float32",
+                                                        "bool", "qint8", "bits16", "uint8", "__name__", "Tensor"])),
+    st.builds(lambda t: {"$device": t}, st.sampled_from(["cpu", "cpu:0", "cuda", "cuda:0", "cuda:00", "cuda:1", "CUDA",
+                                                         "cuda:-1", "meta", "mps:3", "cuda:0 ", "gpu", ""])),
+    st.builds(lambda d, n, b, extra: {"$ndarray": {"dtype": d, "shape": n, "data": b, **extra}}, _NP_DTYPES,
+              st.lists(st.integers(-1, 3), max_size=3), st.binary(max_size=24).flatmap(_b64_variants),
+              st.sampled_from([{}, {"order": "C"}])),
+    st.builds(lambda d, b: {"$npscalar": {"dtype": d, "data": b}}, _NP_DTYPES,
+              st.binary(max_size=9).flatmap(_b64_variants)),
+)
+_KEY = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([0.0, 1.0, -0.0, 2.5]),
+                 st.sampled_from(["a", "$x"]), _TAGGED.filter(lambda n: list(n) != ["$ndarray"]))
+_MAPPING = st.builds(lambda tag, keys: {tag: [[k, i] for i, k in enumerate(keys)]},
+                     st.sampled_from(["$dict", "$odict", "$set"]),
+                     st.lists(st.one_of(_KEY, st.builds(lambda ks: {"$tuple": ks}, st.lists(_KEY, max_size=2))),
+                              max_size=4)).map(lambda n: {"$set": [k for k, _ in n["$set"]]} if "$set" in n else n)
+
+
+def _accepted(node: Any) -> bool:
+    try:
+        codec.check_tree({"v": node}, "manifest-000001.json", ())
+    except safeckpt.CheckpointError as exc:
+        assert isinstance(exc, safeckpt.CorruptCheckpointError) and "'v'" in str(exc), exc
+        return False
+    return True
+
+
+def _encoded(value: Any) -> str:
+    """The JSON the encoder writes for ``value`` (compared as text: ``1 == 1.0`` in Python)."""
+    return _text(codec.encode(value, "v", lambda k, t: pytest.fail("no tensors here"), lambda k, v: v, False))
+
+
+def _text(node: Any) -> str:
+    return json.dumps(node, sort_keys=True)
+
+
+@_FUZZ
+@given(node=st.one_of(_TAGGED, _MAPPING))
+def test_a_tagged_value_is_accepted_only_in_the_one_form_its_value_is_written_in(node):
+    """docs/format.md §7 gives each value one form. Whatever the checker accepts decodes
+    to a value the encoder writes back the same way (``$int`` may also be decimal; a set
+    in any order), so no reader changes a value silently; the rest is refused, naming
+    the manifest and the key."""
+    if not _accepted(node):
+        return
+    value = codec.decode_value(node, "v")
+    again = _encoded(value)
+    tag = next(iter(node))
+    if tag == "$int":
+        assert again == _text(node) or str(value) == node[tag], (node, again)
+    elif tag in ("$set", "$dict", "$odict"):
+        assert len(value) == len(node[tag]), (node, value)  # no two members are one
+    else:
+        assert again == _text(node), (node, again)
+
+
+_PLAIN = st.one_of(st.none(), st.booleans(), st.integers(-2**80, 2**80), st.floats(), st.complex_numbers(),
+                   st.binary(max_size=6), st.builds(bytearray, st.binary(max_size=3)),
+                   st.sampled_from([torch.float32, torch.bfloat16, torch.qint8, torch.bool, torch.device("cpu"),
+                                    torch.device("cuda", 1), np.str_(""), np.bytes_(b""), np.str_("ab"),
+                                    np.float32("nan"), np.bool_(True), np.datetime64("2020-01-01", "ns")]),
+                   st.builds(lambda n, d: np.arange(n, dtype=d).reshape(n, 1), st.integers(0, 3),
+                             st.sampled_from(["<i4", ">f8", "|u1", "<c8", "?"])))
+_HASHABLE = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**60, 2**60), st.floats(),
+                                   st.text(max_size=3), st.binary(max_size=3)),
+                         lambda inner: st.tuples(inner, inner), max_leaves=4)
+_PYTHON = st.recursive(_PLAIN, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.builds(tuple, st.lists(inner, max_size=3)),
+    st.dictionaries(_HASHABLE, inner, max_size=3),
+    st.builds(collections.OrderedDict, st.lists(st.tuples(_HASHABLE, inner), max_size=3)),
+    st.sets(_HASHABLE, max_size=3), st.frozensets(_HASHABLE, max_size=3)), max_leaves=10)
+
+
+@_FUZZ
+@given(value=_PYTHON)
+def test_every_value_the_encoder_writes_is_accepted_and_comes_back(value):
+    """The other half: the checker refuses nothing the encoder writes (an empty
+    ``np.str_`` included), and it decodes to a value written the same way again."""
+    node = json.loads(_encoded(value))
+    codec.check_tree({"v": node}, "manifest-000001.json", ())
+    assert _encoded(codec.decode_value(node, "v")) == _text(node)

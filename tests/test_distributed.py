@@ -335,6 +335,26 @@ def test_plain_values_differing_between_ranks_abort_the_save(four, root):
         assert manifests_under(root / name) == [] and data_files_under(root / name) == []
 
 
+@pytest.mark.parametrize("case", ["int_float", "bool_int", "zero_sign", "nested_sign", "kept"])
+def test_plain_values_differing_only_in_type_or_sign_abort_the_save(four, root, case):
+    """1 vs 1.0, True vs 1, 0.0 vs -0.0: equal to Python's ``==``, different values to
+    load (each rank would get rank 0's); "kept": in a save whose ranks first compare
+    digests of a kept plan."""
+    res = four.results("differ")
+    key = "'x.betas.1'" if case == "nested_sign" else "'x'"
+    every_rank(res, lambda r, d: aborted(d[case], key, "rank(s) [1, 2, 3]", "RankLocal"), case)
+    if case == "kept":  # the first save, the same on every rank, committed
+        every_rank(res, lambda r, d: d["kept_first"]["raised"] and d["kept_first"]["message"], "the first save")
+    assert manifests_under(root / f"differ_{case}") == ([] if case != "kept" else ["manifest-000001.json"])
+
+
+def test_plain_values_the_same_on_every_rank_save_bit_for_bit(four):
+    every_rank(four.results("differ"), lambda r, d: d["same"]["raised"] and d["same"]["message"],
+               "a NaN and -0.0 on every rank")
+    every_rank(four.results("differ"), lambda r, d: None if d["same_loaded"] == ["nan", "-0.0"] else
+               d["same_loaded"], "loaded back")
+
+
 # --------------------------------------------------------------------------- failures
 
 

@@ -431,3 +431,74 @@ def test_objects_loaded_early_are_put_back_when_the_tensors_turn_out_corrupt(tmp
     with pytest.raises(safeckpt.CorruptCheckpointError):
         safeckpt.load({"model": model2, "sched": sched2}, tmp_path / "ck")
     assert sched2.last_epoch == 0 and sched2.get_last_lr() == [0.1]
+
+
+def test_keys_given_as_one_str_is_that_key_not_its_characters(ckpt):
+    """``keys="model"`` (finding d) loads the key ``model``; before, its characters were
+    taken as five keys the checkpoint lacks."""
+    safeckpt.save({"model": {"w": torch.arange(3.0)}, "mo": 1, "step": 7}, ckpt)
+    got = safeckpt.load_state(ckpt, keys="model")
+    assert list(got) == ["model"] and torch.equal(got["model"]["w"], torch.arange(3.0))
+    target = {"model": {"w": torch.zeros(3)}}
+    safeckpt.load(target, ckpt, keys="model")
+    assert torch.equal(target["model"]["w"], torch.arange(3.0))
+    assert list(safeckpt.load_state(ckpt, keys=("mo", "step"))) == ["mo", "step"]  # any iterable of keys
+    with pytest.raises(safeckpt.StateMismatchError, match=r"holds no \['nope'\]"):
+        safeckpt.load_state(ckpt, keys="nope")
+
+
+# --------------------------------------------------------------------------- targets sharing memory (finding 6)
+
+SHARED_ELEMENTS = {
+    "overlapping as_strided": lambda: torch.zeros(20).as_strided((4, 3), (1, 1)),
+    "expand": lambda: torch.zeros(3)[None].expand(4, 3),
+    "expand inside a Shard": lambda: safeckpt.Shard(torch.zeros(3)[None].expand(4, 3), (4, 3), (0, 0)),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARED_ELEMENTS))
+def test_a_target_whose_elements_share_memory_is_refused_before_anything_is_read(ckpt, case):
+    """Its elements cannot each take a saved value: torch's copy_ refuses an expanded
+    target, and the last write wins in an overlapping one (the load used to return with
+    wrong values, or raise a RuntimeError after other tensors were overwritten)."""
+    safeckpt.save({"a": torch.arange(3.0) + 1, "w": torch.arange(12.0).reshape(4, 3)}, ckpt)
+    target = {"a": torch.zeros(3), "w": SHARED_ELEMENTS[case]()}
+    before = snapshot(target["a"])
+    with pytest.raises(safeckpt.StateMismatchError, match="share memory") as err:
+        safeckpt.load(target, ckpt)
+    assert err.value.keys == ["w"] and problem_keys(str(err.value)) == {"w"}
+    assert_unchanged(target["a"], before, "a")
+    with pytest.warns(safeckpt.PartialLoadWarning, match="w: the state's tensor has elements that share memory"):
+        safeckpt.load(target, ckpt, strict=False)
+    assert torch.equal(target["a"], torch.arange(3.0) + 1)
+
+
+def test_targets_sharing_memory_are_refused_unless_they_are_one_tensor_saved_as_a_tie(ckpt):
+    """Two tensors of the state over one memory: each would get part of the other's
+    saved values. Refused up front (both named, nothing read) unless they are one view
+    and the checkpoint holds them as one tensor tied; views that only interleave (columns
+    of one matrix) and a view with gaps share nothing and load."""
+    buf = torch.arange(20.0)
+    safeckpt.save({"a": buf[0:10], "b": buf[5:15], "c": buf[15:20].clone(), "d": torch.ones(2)}, ckpt)
+    into = torch.zeros(20)
+    target = {"a": into[0:10], "b": into[5:15], "c": into[15:20], "d": torch.zeros(2)}
+    with pytest.raises(safeckpt.StateMismatchError, match="'b', but the checkpoint holds them as different") as err:
+        safeckpt.load(target, ckpt)
+    assert sorted(err.value.keys) == ["a", "b"] and not into.any() and not target["d"].any()
+    same = torch.zeros(5)  # one tensor for two that were saved apart
+    with pytest.raises(safeckpt.StateMismatchError) as err:
+        safeckpt.load({"a": torch.zeros(10), "b": torch.zeros(10), "c": same, "d": same[:2]}, ckpt)
+    assert sorted(err.value.keys) == ["c", "d"]
+
+    tied = nn.Linear(4, 4)
+    safeckpt.save({"x": tied.weight, "y": tied.weight, "cols": torch.arange(24.0).reshape(4, 6)[:, 0:3],
+                   "rest": torch.arange(24.0).reshape(4, 6)[:, 3:6], "gaps": torch.arange(8.0)[::2]}, ckpt,
+                  overwrite=True)
+    fresh, matrix, gapped = nn.Linear(4, 4), torch.zeros(4, 6), torch.zeros(8)
+    safeckpt.load({"x": fresh.weight.data, "y": fresh.weight.data, "cols": matrix[:, 0:3], "rest": matrix[:, 3:6],
+                   "gaps": gapped[::2]}, ckpt)
+    assert torch.equal(fresh.weight, tied.weight)
+    assert torch.equal(matrix, torch.arange(24.0).reshape(4, 6))
+    assert torch.equal(gapped, torch.tensor([0.0, 0, 2, 0, 4, 0, 6, 0]))
+    # meta tensors have no memory (each has address 0): loading into them does nothing, as before
+    safeckpt.load({k: torch.empty_like(v, device="meta") for k, v in safeckpt.load_state(ckpt).items()}, ckpt)

@@ -423,6 +423,32 @@ def sc_differ(ctx: Ctx) -> dict:
     state2 = {"w": BIAS()[: 10 - (ctx.rank == 2)]}
     out["shape"] = caught(lambda: safeckpt.save(state2, str(ctx.root / "differ_shape")))
     ctx.barrier()
+    out.update(_differ_exactly(ctx))
+    return out
+
+
+def _differ_exactly(ctx: Ctx) -> dict:
+    """Values Python's ``==`` calls equal that differ in type or sign between rank 0 and
+    the others, each in a save of its own; then the same difference in the second save of
+    one layout (the ranks compare digests of a kept plan first, ``plancache``); and values
+    the same on every rank (a NaN, -0.0) that must save and come back bit for bit."""
+    import safeckpt
+    other = ctx.rank != 0
+    out: dict = {}
+    cases = {"int_float": 1.0 if other else 1, "bool_int": 1 if other else True, "zero_sign": -0.0 if other else 0.0,
+             "nested_sign": {"betas": (0.9, -0.0 if other else 0.0)}}
+    for name, value in cases.items():
+        out[name] = caught(lambda: safeckpt.save({"w": BIAS(), "x": value}, str(ctx.root / f"differ_{name}")))
+        ctx.barrier()
+    path = str(ctx.root / "differ_kept")
+    out["kept_first"] = caught(lambda: safeckpt.save({"w": BIAS(), "x": 1.0}, path))
+    out["kept"] = caught(lambda: safeckpt.save({"w": BIAS(), "x": 1 if other else 1.0}, path, overwrite=True))
+    ctx.barrier()
+    same = str(ctx.root / "differ_none")
+    out["same"] = caught(lambda: safeckpt.save({"w": BIAS(), "nan": float("nan"), "zero": -0.0}, same))
+    ctx.barrier()
+    got = safeckpt.load_state(same)
+    out["same_loaded"] = [repr(got["nan"]), repr(got["zero"])]
     return out
 
 

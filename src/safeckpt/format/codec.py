@@ -25,11 +25,9 @@ import numpy as np
 import torch
 
 from ..errors import UnsafeObjectError
-from .tree import JSON, MAX_DEPTH, tag_of
+from .tree import JSON, MAX_DEPTH, SAFE_INT, tag_of
 from .tree import (CONTAINER_TAGS, build_container, check_tree, child_key, decode_key,  # noqa: F401
                    decode_leaf, decode_set, decode_value, items_of)
-
-_SAFE_INT = 2**53
 
 
 def _b64(data: bytes) -> str:
@@ -65,7 +63,7 @@ def encode_leaf(value: Any, key: str, allow_pickle: bool) -> JSON:
     if value is None or kind in (bool, str):
         return value
     if kind is int:
-        return value if -_SAFE_INT < value < _SAFE_INT else {"$int": hex(value)}
+        return value if -SAFE_INT < value < SAFE_INT else {"$int": hex(value)}
     if kind is float:
         return _encode_float(value)
     if kind is complex:

@@ -95,6 +95,14 @@ class Manifest:
         return sum(end - start for _, start, end in
                    {(c.file, c.start, c.end) for t in self.tensors.values() for c in t.chunks if is_shared(c.file)})
 
+    def tie_of(self, name: str, entry: "TensorEntry | TableEntry") -> tuple:
+        """Which saved tensor ``name`` is: tensors of one tie (saved as one tensor) have
+        the same. Format 1 ties tensors by their shared chunks; format 2, whose distinct
+        tensors may share chunks by content, names the tie."""
+        if self.version < 2:
+            return entry.dtype, tuple(entry.shape), tuple((c.file, c.start) for c in entry.chunks)
+        return (entry.tied_to or name,)
+
     def chunks_in(self, file: str) -> list[tuple[str, Chunk]]:
         """(tensor name, chunk) of every chunk stored in ``file``."""
         if isinstance(self.tensors, TensorTable):

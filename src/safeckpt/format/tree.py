@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import base64
 import collections
+import math
 import pickle
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Container, cast
 
 import numpy as np
@@ -24,53 +26,117 @@ MAX_DEPTH = 100  #: containers nested deeper than this are refused on save and o
 
 
 def unb64(text: str) -> bytes:
-    return base64.b64decode(text.encode("ascii"), validate=True)
+    """Standard base64 with padding, in its one canonical form (unused bits zero)."""
+    data = base64.b64decode(text.encode("ascii"), validate=True)
+    if base64.b64encode(data) != text.encode("ascii"):
+        raise ValueError(f"{text[:20]!r} is not canonical base64")
+    return data
 
 
-def _number(value: Any) -> float:
-    if type(value) not in (int, float):
-        raise TypeError(f"{value!r} is not a number")
-    return float(value)
+SAFE_INT = 2**53  #: ints of at least this size are ``$int``, smaller ones JSON integers
+_INT_FORMS = re.compile(r"-?(0x[1-9a-f][0-9a-f]*|[1-9][0-9]*)")  # hex(v), or decimal (older writers)
+_NON_FINITE = ("inf", "-inf", "nan")  # $float's arguments; each decodes to a new float (two NaN keys stay two)
+
+
+def _decode_int(arg: Any) -> int:
+    if type(arg) is not str or not _INT_FORMS.fullmatch(arg):
+        raise ValueError(f"{arg!r} is not hex(v) or a decimal integer")
+    value = int(arg, 16 if "x" in arg else 10)
+    if -SAFE_INT < value < SAFE_INT:
+        raise ValueError(f"{value} is written as a JSON integer, not as $int")
+    return value
+
+
+def _decode_float(part: Any) -> float:
+    """A float as ``$complex`` holds each part: a finite JSON float or a ``$float``."""
+    if type(part) is float and math.isfinite(part):
+        return part
+    if type(part) is dict and list(part) == ["$float"] and part["$float"] in _NON_FINITE:
+        return float(part["$float"])
+    raise ValueError(f"{part!r} is not a finite JSON float or a $float")
+
+
+def _decode_dtype(arg: Any) -> Any:
+    import torch  # only for a value that is one of its types
+
+    dtype = getattr(torch, arg, None) if type(arg) is str else None
+    if not isinstance(dtype, torch.dtype) or str(dtype) != f"torch.{arg}":
+        raise ValueError(f"{arg!r} is not the name of a torch dtype (aliases such as 'int' or 'half' are not)")
+    return dtype
+
+
+def _decode_device(arg: Any) -> Any:
+    import torch
+
+    device = torch.device(arg) if type(arg) is str else None
+    if device is None or str(device) != arg:
+        raise ValueError(f"{arg!r} is not str() of a torch device")
+    return device
+
+
+def _numpy(arg: Any, fields: tuple[str, ...]) -> tuple[np.dtype, bytes]:
+    """The dtype and data of an ``$ndarray`` or ``$npscalar`` argument: exactly
+    ``fields``, the dtype as NumPy's ``dtype.str`` writes it, and not an object or void one."""
+    if type(arg) is not dict or sorted(arg) != sorted(fields):
+        raise ValueError(f"the argument is not an object of {', '.join(fields)}")
+    name = arg["dtype"]
+    dtype = np.dtype(name) if type(name) is str else None
+    if dtype is None or dtype.str != name or dtype.kind in "OV":
+        raise ValueError(f"dtype {name!r} is not a plain NumPy dtype.str")
+    return dtype, unb64(arg["data"])
+
+
+def _decode_ndarray(arg: Any) -> np.ndarray:
+    dtype, data = _numpy(arg, ("dtype", "shape", "data"))
+    shape = arg["shape"]
+    if type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape):
+        raise ValueError(f"shape {shape!r} is not a list of sizes")
+    count = math.prod(shape)
+    if len(data) != count * dtype.itemsize:
+        raise ValueError(f"{len(data)} bytes of data for shape {shape} of {dtype.str}")
+    return np.frombuffer(data, dtype=dtype, count=count).reshape(shape).copy()
+
+
+def _decode_npscalar(arg: Any) -> Any:
+    """A NumPy scalar, whose ``dtype.str`` and ``tobytes()`` are its argument (an empty
+    ``np.str_``/``np.bytes_`` has an item size of 0 and a few NUL bytes of data)."""
+    dtype, data = _numpy(arg, ("dtype", "data"))
+    value = dtype.type() if dtype.itemsize == 0 else \
+        np.frombuffer(data, dtype=dtype)[0] if len(data) == dtype.itemsize else None
+    if value is None or value.dtype.str != dtype.str or value.tobytes() != data:
+        raise ValueError(f"{len(data)} bytes of data are not one {dtype.str}")
+    return value
 
 
 def decode_leaf(node: JSON, key: str, allow_pickle: bool) -> Any:
-    """Inverse of ``codec.encode_leaf`` for one tagged or plain JSON value."""
+    """Inverse of ``codec.encode_leaf`` for one tagged or plain JSON value; a tagged
+    value is accepted only in the one form docs/format.md §7 gives it."""
     if not isinstance(node, dict):
         return node
     ((tag, arg),) = node.items()
     try:
         if tag == "$int":
-            return int(arg, 0)
+            return _decode_int(arg)
         if tag == "$float":
+            if type(arg) is not str or arg not in _NON_FINITE:
+                raise ValueError(f"{arg!r} is not 'inf', '-inf' or 'nan'")
             return float(arg)
         if tag == "$complex":
-            real, imag = (float(part["$float"]) if isinstance(part, dict) else _number(part) for part in arg)
-            return complex(real, imag)
+            if type(arg) is not list or len(arg) != 2:
+                raise ValueError("the argument is not [real, imag]")
+            return complex(_decode_float(arg[0]), _decode_float(arg[1]))
         if tag == "$bytes":
             return unb64(arg)
         if tag == "$bytearray":
             return bytearray(unb64(arg))
-        if tag == "$dtype":  # torch only for a value that is one of its types
-            import torch
-
-            dtype = getattr(torch, arg)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(arg)
-            return dtype
+        if tag == "$dtype":
+            return _decode_dtype(arg)
         if tag == "$device":
-            import torch
-
-            return torch.device(arg)
+            return _decode_device(arg)
         if tag == "$ndarray":
-            dtype = np.dtype(arg["dtype"])
-            if dtype.kind in "OV":
-                raise ValueError(f"dtype {dtype}")
-            return np.frombuffer(unb64(arg["data"]), dtype=dtype).reshape(arg["shape"]).copy()
+            return _decode_ndarray(arg)
         if tag == "$npscalar":
-            dtype = np.dtype(arg["dtype"])
-            if dtype.kind in "OV":
-                raise ValueError(f"dtype {dtype}")
-            return np.frombuffer(unb64(arg["data"]), dtype=dtype)[0]
+            return _decode_npscalar(arg)
     except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError, OverflowError) as exc:
         raise CorruptCheckpointError(f"cannot decode value {tag} at {key!r}: {exc}") from exc
     if tag == "$pickle":
@@ -121,8 +187,11 @@ def check_tree(node: JSON, where: str, tensors: "Container[str]", *, plain: bool
 
     while stack:
         node, parent, name, depth, local = stack.pop()
-        if not isinstance(node, (dict, list)):
-            continue  # a plain JSON leaf
+        if not isinstance(node, (dict, list)):  # a plain JSON leaf
+            problem = _number_problem(node)
+            if problem:
+                raise bad(child_key(parent or "", name), problem)
+            continue
         key = "" if parent is None else child_key(parent, name)
         tag = tag_of(node)
         if tag is None:
@@ -145,14 +214,12 @@ def check_tree(node: JSON, where: str, tensors: "Container[str]", *, plain: bool
                 raise bad(key, "is a rank-local value where none may be")
             local = True
         if tag in ("$set", "$frozenset"):
-            for member in arg:
-                _check_key(member, key, not plain, bad)
+            _distinct(cast(list, arg), tag, key, not plain, bad)
             continue
         if tag in ("$dict", "$odict"):
-            for pair in arg:
-                if not isinstance(pair, list) or len(pair) != 2:
-                    raise bad(key, f"is a malformed {tag} (an item is not a [key, value] pair)")
-                _check_key(pair[0], key, not plain, bad)
+            if not all(isinstance(pair, list) and len(pair) == 2 for pair in arg):
+                raise bad(key, f"is a malformed {tag} (an item is not a [key, value] pair)")
+            _distinct([k for k, _ in arg], tag, key, not plain, bad)
             stack.extend((v, key, k, depth + 1, local) for k, v in arg)
         elif tag == "object":
             stack.extend((v, key, k, depth + 1, local) for k, v in cast(dict, arg).items())
@@ -163,10 +230,13 @@ def check_tree(node: JSON, where: str, tensors: "Container[str]", *, plain: bool
 
 
 def _check_leaf(node: JSON, key: str, pickled: bool, bad: Callable[[str, str], CheckpointError]) -> None:
+    problem = _number_problem(node)
+    if problem:
+        raise bad(key, problem)
     if isinstance(node, dict):
         ((tag, arg),) = node.items()
         if tag == "$pickle":
-            if not pickled or not isinstance(arg, str):
+            if not pickled or not _is_base64(arg):
                 raise bad(key, "is a malformed $pickle")
             return
         if _plainly_valid(tag, arg):
@@ -177,7 +247,15 @@ def _check_leaf(node: JSON, key: str, pickled: bool, bad: Callable[[str, str], C
             raise bad(key, f"cannot be decoded ({exc})") from exc
 
 
-_DEVICE = re.compile(r"(cpu|cuda|meta|mps|xpu)(:[0-9]{1,2})?")
+def _is_base64(arg: Any) -> bool:
+    try:
+        unb64(arg)
+    except (ValueError, TypeError, AttributeError):
+        return False
+    return True
+
+
+_DEVICE = re.compile(r"(cpu|cuda|meta|mps|xpu)(:(0|[1-9][0-9]?))?")
 
 
 def _plainly_valid(tag: str, arg: Any) -> bool:
@@ -188,18 +266,54 @@ def _plainly_valid(tag: str, arg: Any) -> bool:
     return tag == "$device" and type(arg) is str and _DEVICE.fullmatch(arg) is not None
 
 
-def _check_key(node: JSON, key: str, pickled: bool, bad: Callable[[str, str], CheckpointError]) -> None:
-    """A dict key or set member: a hashable leaf, or a ``$tuple`` of them."""
-    stack = [(node, 0)]
-    while stack:
-        node, depth = stack.pop()
-        tag = tag_of(node)
-        if tag == "$tuple" and isinstance(node[tag], list) and depth < MAX_DEPTH:
-            stack.extend((member, depth + 1) for member in node[tag])
-        elif tag is not None or (isinstance(node, dict) and next(iter(node)) in _UNHASHABLE):
-            raise bad(key, f"has a key or member that is not hashable: {str(node)[:80]}")
-        else:
-            _check_leaf(node, key, pickled, bad)
+def _distinct(nodes: list, tag: str, key: str, pickled: bool, bad: Callable[[str, str], CheckpointError]) -> None:
+    """The keys of a ``$dict``/``$odict`` or the members of a ``$set``/``$frozenset``: each
+    valid (``_check_key``), and no two the same Python value (``1``, ``1.0`` and ``true``
+    are one key: a dict holding them keeps one, silently)."""
+    seen: set = set()
+    for node in nodes:
+        value = _check_key(node, key, pickled, bad)
+        if value in seen:
+            raise bad(key, f"is a {tag} holding the key or member {repr(node)[:80]} twice")
+        seen.add(value)
+
+
+@dataclass(frozen=True)
+class _Opaque:
+    """A dtype or device key, compared by its encoding (one per value; decoding it needs
+    torch); equal to no decoded value."""
+
+    tag: str
+    arg: str
+
+
+def _check_key(node: JSON, key: str, pickled: bool, bad: Callable[[str, str], CheckpointError],
+               depth: int = 0) -> Any:
+    """A dict key or set member: a hashable leaf, or a ``$tuple`` of them; returns the
+    value it decodes to, as far as it can be known without torch or unpickling
+    (``_Opaque``; a new ``object()`` for a ``$pickle``, whose equality only the objects
+    it unpickles to know: two equal pickles of objects compared by identity are two keys)."""
+    tag = tag_of(node)
+    if tag == "$tuple" and isinstance(node[tag], list) and depth < MAX_DEPTH:
+        return tuple(_check_key(member, key, pickled, bad, depth + 1) for member in node[tag])
+    if tag is not None or (isinstance(node, dict) and next(iter(node)) in _UNHASHABLE):
+        raise bad(key, f"has a key or member that is not hashable: {str(node)[:80]}")
+    _check_leaf(node, key, pickled, bad)
+    if not isinstance(node, dict):
+        return node
+    ((name, arg),) = node.items()
+    if name == "$pickle":
+        return object()
+    return _Opaque(name, arg) if name in ("$dtype", "$device") else decode_leaf(node, key, False)
+
+
+def _number_problem(node: JSON) -> str | None:
+    """Why a plain JSON leaf is not a value as §7 writes it, or None: a float must be
+    finite (``1e999`` and ``NaN`` parse as non-finite ones) and an int below 2**53."""
+    kind = type(node)
+    if (kind is float and not math.isfinite(node)) or (kind is int and not -SAFE_INT < node < SAFE_INT):
+        return f"is the JSON number {node!r}; a non-finite float is a $float, an int of 2**53 or more an $int"
+    return None
 
 
 def tag_of(node: JSON) -> str | None:

@@ -14,7 +14,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar, Union
+from typing import Any, Callable, Iterable, TypeVar, Union
 
 import torch
 
@@ -246,8 +246,10 @@ def _agree(group: Any, error: BaseException | None, what: str) -> None:
     raise kind(f"{what} failed on rank(s) {sorted(failed)}:\n  {lines}")
 
 
-def _only(tree: Any, keys: list, url: str) -> Any:
-    """The saved tree restricted to some top-level keys."""
+def _only(tree: Any, keys: "str | Iterable", url: str) -> Any:
+    """The saved tree restricted to some top-level keys; a single ``str`` is one key
+    (``keys="model"``), not its characters."""
+    keys = [keys] if isinstance(keys, str) else list(keys)
     saved = dict(codec.items_of(tree, "", False)) if codec.tag_of(tree) in ("object", "$dict") else {}
     missing = [k for k in keys if k not in saved]
     if missing:
@@ -259,15 +261,15 @@ def _only(tree: Any, keys: list, url: str) -> Any:
 @gc_paused
 def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = True,
          process_group: Any = None, storage_options: dict | None = None,
-         allow_pickle: bool = False, keys: "list | None" = None,
+         allow_pickle: bool = False, keys: "str | Iterable | None" = None,
          share_reads: "str | bool | None" = None) -> None:
     """Load a checkpoint into ``state`` in place (see the README).
 
     Each rank reads only the bytes of its own part. Every mismatch is found before
     anything is read, so ``StateMismatchError`` leaves ``state`` untouched; with
     ``strict=False`` what matches is loaded and the rest is reported in a warning.
-    ``keys`` loads only those top-level keys (``state`` holds just them), leaving the
-    checkpoint's others unread. In a distributed job, a failure on any rank raises on
+    ``keys`` loads only those top-level keys (``state`` holds just them; one ``str`` is
+    one key), leaving the checkpoint's others unread. In a distributed job, a failure on any rank raises on
     every rank, and bytes several ranks need are read once and sent between them
     (``share_reads``: ``"auto"``, ``"job"``, ``"node"`` or ``"off"``, the same on
     every rank; default ``$SAFECKPT_SHARE_READS``, else ``"auto"``; see ``exchange``)."""
@@ -282,7 +284,7 @@ def load(state: dict, path: PathLike, *, strict: bool = True, verify: bool = Tru
 
 
 def load_manifest(state: dict, storage: Storage, manifest: Manifest, group: Any, *, strict: bool = True,
-                  verify: bool = True, allow_pickle: bool = False, keys: "list | None" = None,
+                  verify: bool = True, allow_pickle: bool = False, keys: "str | Iterable | None" = None,
                   before_read: "Callable[[set[str]], None] | None" = None, started: float | None = None,
                   share: str | None = None) -> None:
     """``load`` of a manifest every rank already holds; ``before_read`` (a collective
@@ -295,8 +297,9 @@ def load_manifest(state: dict, storage: Storage, manifest: Manifest, group: Any,
     planner = LoadPlanner(manifest.tensors, strict, allow_pickle, group.rank, group.size)
     error: BaseException | None = None
     try:
-        tree = manifest.tree if keys is None else _only(manifest.tree, list(keys), storage.url)
+        tree = manifest.tree if keys is None else _only(manifest.tree, keys, storage.url)
         build = planner.plan(state, tree)
+        planner.refuse_shared_memory(manifest.tie_of)
         if planner.problems and strict:
             listing = "\n  ".join(planner.problems)
             raise planner.error(
@@ -351,14 +354,15 @@ def _agree_or_undo(group: Any, error: BaseException | None, what: str, planner: 
 
 @gc_paused
 def load_state(path: PathLike, *, verify: bool = True, storage_options: dict | None = None,
-               allow_pickle: bool = False, keys: "list | None" = None) -> dict:
+               allow_pickle: bool = False, keys: "str | Iterable | None" = None) -> dict:
     """The saved state as a new nested dict of full CPU tensors and values (rank-local
-    values come back as a list indexed by rank); ``keys``: only those top-level keys."""
+    values come back as a list indexed by rank); ``keys``: only those top-level keys (one
+    ``str`` is one key)."""
     started = time.perf_counter()
     storage = open_storage(path, **(storage_options or {}))
     manifest = read_committed(storage)
     planner = LoadPlanner(manifest.tensors, True, allow_pickle)
-    tree = manifest.tree if keys is None else _only(manifest.tree, list(keys), storage.url)
+    tree = manifest.tree if keys is None else _only(manifest.tree, keys, storage.url)
     build = planner.plan(None, tree)
     if planner.problems:
         raise CorruptCheckpointError(f"{storage.url}: " + "; ".join(planner.problems))

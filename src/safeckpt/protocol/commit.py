@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import secrets
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, cast
@@ -38,6 +39,7 @@ from ..format.compact import Checksums, ChunkColumns, TableBuilder
 from ..format.manifest import (WRITE_VERSION, Chunk, FileEntry, Manifest, encode_manifest, is_shared, manifest_name,
                        manifest_seq)
 from ..format.pieces import PieceColumns, first_seen, unpad
+from ..format.tree import child_key
 from ..format.plan import PlanError, WritePlan, assign_writes, check_shards
 from .plancache import PlanCache, Planned, Probe, fill_locals, layout_key, plans_of, split_locals, tree_digest
 from .state import FlatState
@@ -57,6 +59,7 @@ class Intent:
     tree: Any
     error: str | None = None
     has_local: bool = False
+    digest: str | None = None  # of ``tree``'s exact JSON (``tree_digest``), when it holds no $local
 
 
 @dataclass
@@ -158,6 +161,7 @@ class SaveRun:
         self.committed = False
         self.where = storage.url  # what the ranks must agree they save to
         self.kept: Planned | None = None  # the plan cache's entry of this save's plan
+        self.digest: str | None = None  # this rank's tree_digest of its tree, once computed
 
     def run(self, flatten: Any) -> Manifest:
         return self.finish(*self.prepare(flatten))
@@ -179,10 +183,12 @@ class SaveRun:
             if reused is not None:
                 return reused
             cache.planned += 1
+        if self.group.size > 1 and flat is not None and not flat.has_local and self.digest is None:
+            self.digest = self._guard(lambda: tree_digest(flat.tree))
         intent = Intent(self.where, self.step, pieces if pieces is not None else PieceColumns.of([]),
                         flat.aliases if flat else {}, flat.tree if flat else None,
                         describe_error(self.local_error) if self.local_error else None,
-                        flat.has_local if flat else False)
+                        flat.has_local if flat else False, self.digest)
         intents = self.group.gather(intent)
         plans = self._plan(cast("list[Intent]", intents)) if self.group.rank == 0 else None  # gathered on rank 0
         mine: Assignment = self.group.scatter(plans)
@@ -222,7 +228,10 @@ class SaveRun:
 
     def _probe(self, flat: FlatState, kept: Planned | None) -> Probe:
         blank, values = split_locals(flat.tree) if flat.has_local else (flat.tree, None)
-        return Probe(self.where, self.step, kept.plan_id if kept is not None else None, tree_digest(blank), values)
+        digest = tree_digest(blank)
+        if not flat.has_local:
+            self.digest = digest  # the same digest, should the ranks plan in full
+        return Probe(self.where, self.step, kept.plan_id if kept is not None else None, digest, values)
 
     def _answer(self, probes: list[Probe], flat: FlatState, kept: Planned | None) -> list[Assignment]:
         """Rank 0: reuse ``kept`` when every rank named it, for the same folder, step and
@@ -285,7 +294,7 @@ class SaveRun:
 
     def _assign(self, intents: list[Intent]) -> list[Assignment]:
         _check_agreement(intents)
-        self.tree = merge_trees([i.tree for i in intents], has_local=any(i.has_local for i in intents))
+        self.tree = merge_trees([i.tree for i in intents], digests=[i.digest for i in intents])
         plan = assign_writes([i.pieces for i in intents])
         check_shards(plan)
         save_id, seq = self._claim()
@@ -625,24 +634,38 @@ def _check_agreement(intents: list[Intent]) -> None:
 _START, _END, _CHECKSUMS = operator.attrgetter("start"), operator.attrgetter("end"), operator.attrgetter("checksums")
 
 
-def merge_trees(trees: list[Any], key: str = "", has_local: bool = True) -> Any:
-    """The saved tree: shared values must be equal on every rank; rank-local values
-    (``{"$local": x}``) are collected into ``{"$local": [x_rank0, x_rank1, ...]}``."""
+def merge_trees(trees: list[Any], key: str = "", digests: "list[str | None] | None" = None) -> Any:
+    """The saved tree: shared values must be the same on every rank, in their exact
+    encoded form (``1``, ``1.0`` and ``True`` differ, and so do ``0.0`` and ``-0.0``,
+    which Python's ``==`` calls equal); rank-local values (``{"$local": x}``) are
+    collected into ``{"$local": [x_rank0, x_rank1, ...]}``. ``digests``: each rank's
+    ``tree_digest`` of its tree (None where it holds ``$local``)."""
     first = trees[0]
-    if not has_local and all(t == first for t in trees[1:]):
-        return first  # the common case, compared in C
+    if len(trees) == 1 or (digests and digests[0] is not None and digests.count(digests[0]) == len(digests)):
+        return first  # the common case: every rank's tree has the same JSON
     if isinstance(first, dict) and all(isinstance(t, dict) and t.keys() == first.keys() for t in trees):
         if first.keys() == {"$local"}:
             return {"$local": [t["$local"] for t in trees]}
-        return {k: merge_trees([t[k] for t in trees], f"{key}.{k}" if key else k) for k in first}
+        tagged = len(first) == 1 and next(iter(first)).startswith("$")  # a tag's argument keeps the value's key
+        return {k: merge_trees([t[k] for t in trees], key if tagged else child_key(key, k)) for k in first}
     if isinstance(first, list) and all(isinstance(t, list) and len(t) == len(first) for t in trees):
-        return [merge_trees([t[i] for t in trees], f"{key}.{i}" if key else str(i)) for i in range(len(first))]
-    differ = [r for r, t in enumerate(trees) if t != first]
+        return [merge_trees([t[i] for t in trees], child_key(key, i)) for i in range(len(first))]
+    differ = [r for r, t in enumerate(trees) if not _same_leaf(t, first)]
     if not differ:
         return first
     raise PlanError(
         f"the value at {key or '<root>'!r} differs between rank 0 and rank(s) {differ}; values that "
         "differ per rank must be wrapped in safeckpt.RankLocal (they are then saved per rank)")
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
+    """Two encoded values (leaves, or containers of different shapes) are the same value:
+    the same JSON type, and a float the same bits (a NaN equals a NaN of the same bits)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is float:
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    return bool(a == b)
 
 
 def write_manifest(storage: Storage, manifest: Manifest, what: str = "save") -> None:

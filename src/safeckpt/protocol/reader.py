@@ -161,10 +161,7 @@ class TensorReader(CheckedFiles):
             entry = read.entry
             dtype = dtype_from_name(entry.dtype, read.name)
             if read.dest is None:
-                # format 1 ties tensors by their shared chunks; format 2, whose distinct
-                # tensors may share chunks by content, names the tie
-                key = (entry.dtype, tuple(entry.shape), tuple((c.file, c.start) for c in entry.chunks)) \
-                    if self.manifest.version < 2 else (entry.tied_to or read.name,)
+                key = self.manifest.tie_of(read.name, entry)
                 if key in fresh and volume(entry.shape):  # tied tensors come back as one tensor
                     read.result = fresh[key]
                     continue

@@ -24,6 +24,7 @@ from ..format.compact import TableEntry
 from ..format.manifest import TensorEntry
 from ..format.plan import Box, PieceInfo
 from .shards import RankLocal, Shard, dtensor_box, is_dtensor, is_sharded_tensor, sharded_tensor_box
+from .targets import overlaps_itself, sharing
 from ..format.tensors import DTYPE_NAMES, dtype_from_name, dtype_name, is_storable, to_storable
 
 
@@ -236,8 +237,12 @@ def _target_box(target: Any) -> tuple[torch.Tensor, list[int], Box] | None:
         t, shape, offsets = box
         return t, shape, (tuple(offsets), tuple(t.shape))
     if isinstance(target, torch.Tensor):
-        return target, list(target.shape), ((0,) * target.dim(), tuple(target.shape))
+        return target, list(target.shape), _whole(target)
     return None
+
+
+def _whole(t: torch.Tensor) -> Box:
+    return (0,) * t.dim(), tuple(t.shape)
 
 
 def _fits(local: torch.Tensor, global_shape: Sequence[int], entry: TensorEntry | TableEntry, where: str) -> bool:
@@ -364,11 +369,18 @@ class LoadPlanner:
         entry = self._entry(node, key)
         if entry is None:
             return lambda: target
-        if _fits(local, global_shape, entry, key):
+        fits = _fits(local, global_shape, entry, key)
+        overlapping = fits and overlaps_itself(local)
+        if fits and not overlapping:
             self.reads.append(Read(node["$tensor"], entry, local, box))
             return lambda: target
         if mode == "object" and isinstance(target, torch.Tensor):
             return self._fresh_tensor(node, key)  # the checkpoint's tensor replaces the object's
+        if overlapping:
+            self._report(key, "the state's tensor has elements that share memory (an expand()ed or overlapping "
+                              "as_strided view), which cannot each take a saved value; load into a tensor with "
+                              "memory of its own (.clone())")
+            return lambda: target
         dtype = dtype_from_name(entry.dtype, key)
         if tuple(global_shape) != tuple(entry.shape):
             self.shapes[key] = (tuple(global_shape), tuple(entry.shape))
@@ -413,10 +425,34 @@ class LoadPlanner:
         if not isinstance(name, str):
             return False
         entry = self.tensors.get(name)
-        if entry is None or not _fits(target, target.shape, entry, name):
+        if entry is None or not _fits(target, target.shape, entry, name) or overlaps_itself(target):
             return False
         self.reads.append(Read(name, entry, target))
         return True
+
+    def refuse_shared_memory(self, tie_of: Callable[[str, TensorEntry | TableEntry], tuple]) -> None:
+        """Report (and drop the reads of) tensors of the state that share memory, unless
+        they are one view of one memory and the checkpoint holds them as one tensor saved
+        as a tie (``tie_of``: ``Manifest.tie_of``): each would get part of the other's
+        values. Called once the state is planned, before anything is read."""
+        reads, dests = [], []
+        for r in self.reads:
+            if r.dest is not None:
+                reads.append(r)
+                dests.append(r.dest)
+        ties = [(tie_of(r.name, r.entry), r.box or _whole(d)) for r, d in zip(reads, dests)]
+        partners: dict[int, list[str]] = {}
+        for i, j in sharing(dests, ties):
+            partners.setdefault(i, []).append(reads[j].name)
+            partners.setdefault(j, []).append(reads[i].name)
+        for i, names in sorted(partners.items()):
+            self._report(reads[i].name, f"shares memory with the state's {', '.join(map(repr, names))}, but the "
+                                        "checkpoint holds them as different tensors (not one tensor saved as a tie), "
+                                        "so each would get part of the other's values; load into tensors with "
+                                        "memory of their own (.clone())")
+        if partners:
+            dropped = {id(reads[i]) for i in partners}
+            self.reads = [r for r in self.reads if id(r) not in dropped]
 
     def _plan_container_fresh(self, target: Any, node: Any, key: str, tag: str) -> Thunk:
         current: dict = {}

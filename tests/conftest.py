@@ -60,3 +60,32 @@ def deepspeed_ops():
     if not deepspeed_op.built():
         pytest.skip(f"DeepSpeed's {deepspeed_op.NAME} op is not built in {deepspeed_op.extensions_dir()}: "
                     "./run tests builds it (or: python tests/helpers/deepspeed_op.py)")
+
+
+@pytest.fixture(scope="module")
+def faulty_writer():
+    """The async writer process of this module's tests has the faults of
+    tests/helpers/writer_faults.py installed (folders named ``*@full``, ``*@eio``,
+    ``*@held``); a fresh one before and after the module."""
+    import writer_faults
+    from safeckpt.run import writer
+
+    writer.stop()
+    saved, writer.COMMAND = writer.COMMAND, writer_faults.writer_command()
+    yield
+    writer.stop()
+    writer.COMMAND = saved
+
+
+@pytest.fixture(params=["process", "thread"])
+def async_mode(request, monkeypatch, faulty_writer):
+    """Async saves of one process run in the writer process, then on a thread of this
+    process (``SAFECKPT_ASYNC_WRITER``), with the faults of ``faulty_writer`` either way."""
+    import writer_faults
+    from safeckpt.run import writer
+
+    if request.param == "process" and not writer.SUPPORTED:
+        pytest.skip("no writer process on this platform (Linux only)")
+    monkeypatch.setenv(writer.ENV, request.param)
+    writer_faults.install(monkeypatch.setattr)  # for the saves of this process
+    return request.param

@@ -22,10 +22,12 @@ import pytest
 import torch
 
 import safeckpt
+from safeckpt.run import writer
 from safeckpt.storage.local import LocalStorage
 from safeckpt.testing import FaultyStorage
 
-from async_child import HERE as CHILD, AsyncForkServer, fill, read_log  # tests/helpers
+import writer_faults  # tests/helpers
+from async_child import HERE as CHILD, AsyncForkServer, fill, read_log
 from save_child import make_state, make_template, state_mismatch
 
 SRC = str(Path(safeckpt.__file__).resolve().parent.parent)
@@ -45,30 +47,6 @@ def _no_error_left_behind():
     from safeckpt.run import asyncsave
     if asyncsave._default is not None:
         asyncsave._default.wait()
-
-
-def _enospc_on_data(monkeypatch, where: str = "") -> None:
-    """Writes to data files (under paths containing ``where``) fail with ENOSPC at the
-    OS call, as on a full disk; ``LocalStorage`` handles it as it would for real."""
-    from safeckpt.storage.local import OSFileSystem
-
-    full: set[int] = set()
-    real_open, real_write = OSFileSystem.open, OSFileSystem.write
-
-    def open_(self, path, flags, mode=0o777):
-        fd = real_open(self, path, flags, mode)
-        full.discard(fd)
-        if os.path.basename(path).startswith("data-") and where in path:
-            full.add(fd)
-        return fd
-
-    def write(self, fd, data):
-        if fd in full:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_write(self, fd, data)
-
-    monkeypatch.setattr(OSFileSystem, "open", open_)
-    monkeypatch.setattr(OSFileSystem, "write", write)
 
 
 def _wait_done(fut, timeout: float = 60.0) -> None:
@@ -102,7 +80,7 @@ def _big_state() -> dict:
     }
 
 
-def test_async_save_is_a_snapshot_at_call_time(tmp_path):
+def test_async_save_is_a_snapshot_at_call_time(tmp_path, async_mode):
     state = _big_state()
     path = tmp_path / "ckpt"
     fut = safeckpt.async_save(state, path)
@@ -133,22 +111,15 @@ def test_async_save_is_a_snapshot_at_call_time(tmp_path):
     assert safeckpt.verify(path).ok
 
 
-def test_manager_async_save_is_a_snapshot(tmp_path, monkeypatch):
-    gate = threading.Event()
-    real = LocalStorage.write_file
-
-    def write_file(self, name, parts):  # the background write starts only after the mutation
-        if name.startswith("data-"):
-            assert gate.wait(30)
-        return real(self, name, parts)
-
-    monkeypatch.setattr(LocalStorage, "write_file", write_file)
-    with safeckpt.CheckpointManager(tmp_path / "run", async_save=True) as mgr:
+def test_manager_async_save_is_a_snapshot(tmp_path, async_mode):
+    held = tmp_path / "run@held"  # the background write starts only after the mutation
+    with safeckpt.CheckpointManager(held, async_save=True) as mgr:
         state = make_state(1)
         fut = mgr.save(1, state, metrics={"loss": 1.0})
         assert isinstance(fut, safeckpt.SaveFuture)
         fill(state, 2)  # changed in place right after the call, before a byte is written
-        gate.set()
+        assert not fut.done()
+        writer_faults.release(held)
         info = fut.result(timeout=60)
         assert info.step == 1 and isinstance(info, safeckpt.CheckpointInfo)
         assert fut.blocked_seconds <= info.seconds
@@ -165,25 +136,22 @@ def test_manager_async_save_is_a_snapshot(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- errors
 
 
-def test_result_raises_the_background_error(tmp_path, monkeypatch):
-    _enospc_on_data(monkeypatch)
-    fut = safeckpt.async_save(make_state(1), tmp_path / "full")
+def test_result_raises_the_background_error(tmp_path, async_mode):
+    fut = safeckpt.async_save(make_state(1), tmp_path / "x@full")
     with pytest.raises(safeckpt.StorageError) as err:
         fut.result(timeout=60)
     assert err.value.errno == errno.ENOSPC
-    assert "full" in str(err.value) and str(tmp_path / "full") in str(err.value)
+    assert "full" in str(err.value) and str(tmp_path / "x@full") in str(err.value)
     with pytest.raises(safeckpt.CheckpointNotFoundError):
-        safeckpt.load_state(tmp_path / "full")  # nothing committed
-    monkeypatch.undo()
+        safeckpt.load_state(tmp_path / "x@full")  # nothing committed
     # seen once, never raised again: the next save just works
     info = safeckpt.async_save(make_state(2), tmp_path / "ok").result(timeout=60)
     assert info.bytes > 0
     assert state_mismatch(safeckpt.load_state(tmp_path / "ok"), 2) is None
 
 
-def test_unseen_async_save_error_is_raised_by_the_next_async_save(tmp_path, monkeypatch):
-    _enospc_on_data(monkeypatch, "full")
-    fut = safeckpt.async_save(make_state(1), tmp_path / "full")
+def test_unseen_async_save_error_is_raised_by_the_next_async_save(tmp_path, async_mode):
+    fut = safeckpt.async_save(make_state(1), tmp_path / "x@full")
     _wait_done(fut)
     with pytest.raises(safeckpt.StorageError):
         safeckpt.async_save(make_state(2), tmp_path / "next")
@@ -192,20 +160,23 @@ def test_unseen_async_save_error_is_raised_by_the_next_async_save(tmp_path, monk
     assert state_mismatch(safeckpt.load_state(tmp_path / "next"), 3) is None
 
 
-def _failed_unseen_save(tmp_path, monkeypatch) -> tuple[safeckpt.CheckpointManager, object]:
-    """An async manager with step 1 committed and step 2 failed (ENOSPC), unseen."""
-    mgr = safeckpt.CheckpointManager(tmp_path / "run", async_save=True)
+def _failed_unseen_save(tmp_path) -> tuple[safeckpt.CheckpointManager, object]:
+    """An async manager with step 1 committed and step 2 failed (ENOSPC), unseen; its
+    disk works again afterwards."""
+    root = tmp_path / "run@full"
+    writer_faults.heal(root)
+    mgr = safeckpt.CheckpointManager(root, async_save=True)
     mgr.save(1, make_state(1)).result(timeout=60)
-    _enospc_on_data(monkeypatch)
+    writer_faults.fail(root)
     fut = mgr.save(2, make_state(2))
     _wait_done(fut)
-    monkeypatch.undo()
+    writer_faults.heal(root)
     assert mgr.steps() == [1]
     return mgr, fut
 
 
-def test_unseen_error_is_raised_by_the_next_manager_save(tmp_path, monkeypatch):
-    mgr, _ = _failed_unseen_save(tmp_path, monkeypatch)
+def test_unseen_error_is_raised_by_the_next_manager_save(tmp_path, async_mode):
+    mgr, _ = _failed_unseen_save(tmp_path)
     with pytest.raises(safeckpt.StorageError) as err:
         mgr.save(3, make_state(3))
     assert err.value.errno == errno.ENOSPC
@@ -216,8 +187,8 @@ def test_unseen_error_is_raised_by_the_next_manager_save(tmp_path, monkeypatch):
     assert mgr.steps() == [1, 3]
 
 
-def test_unseen_error_is_raised_by_wait_once(tmp_path, monkeypatch):
-    mgr, _ = _failed_unseen_save(tmp_path, monkeypatch)
+def test_unseen_error_is_raised_by_wait_once(tmp_path, async_mode):
+    mgr, _ = _failed_unseen_save(tmp_path)
     with pytest.raises(safeckpt.StorageError):
         mgr.wait()
     assert mgr.wait() is None
@@ -226,8 +197,8 @@ def test_unseen_error_is_raised_by_wait_once(tmp_path, monkeypatch):
     assert mgr.steps() == [1, 3]
 
 
-def test_unseen_error_is_raised_by_close_once(tmp_path, monkeypatch):
-    mgr, _ = _failed_unseen_save(tmp_path, monkeypatch)
+def test_unseen_error_is_raised_by_close_once(tmp_path, async_mode):
+    mgr, _ = _failed_unseen_save(tmp_path)
     with pytest.raises(safeckpt.StorageError):
         mgr.close()
     mgr.close()  # closed; nothing to raise twice
@@ -235,8 +206,8 @@ def test_unseen_error_is_raised_by_close_once(tmp_path, monkeypatch):
         mgr.save(3, make_state(3))
 
 
-def test_error_seen_through_result_is_not_raised_again(tmp_path, monkeypatch):
-    mgr, fut = _failed_unseen_save(tmp_path, monkeypatch)
+def test_error_seen_through_result_is_not_raised_again(tmp_path, async_mode):
+    mgr, fut = _failed_unseen_save(tmp_path)
     assert isinstance(fut.exception(), safeckpt.StorageError)  # looked at: seen
     assert mgr.wait() is None
     mgr.save(3, make_state(3)).result(timeout=60)
@@ -260,19 +231,21 @@ def test_faulty_storage_enospc_reaches_the_future(tmp_path):
     mgr.close()
 
 
-def test_unseen_error_is_printed_at_exit(tmp_path):
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_unseen_error_is_printed_at_exit(tmp_path, mode):
     proc = subprocess.run([sys.executable, str(CHILD), "fail_unobserved", str(tmp_path)],
                           capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")})
+                          env={**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                               writer.ENV: mode})
     assert "returned" in proc.stdout, proc.stderr
     err = proc.stderr
     # both failed saves (the async_save one and the manager's) are reported, with the cause
     reported = [line for line in err.splitlines() if "safeckpt" in line and "fail" in line]
     assert len(reported) >= 2, err
-    assert str(tmp_path / "plain") in err, err
-    assert str(tmp_path / "run") in err, err
+    assert str(tmp_path / "plain@full") in err, err
+    assert str(tmp_path / "run@full") in err, err
     assert "disk is full" in err or "ENOSPC" in err or "No space" in err, err
-    assert "seen" in proc.stdout and str(tmp_path / "seen") not in err, "a seen error was reported again"
+    assert "seen" in proc.stdout and str(tmp_path / "seen@full") not in err, "a seen error was reported again"
 
 
 # --------------------------------------------------------------------------- buffers, one in flight
@@ -283,25 +256,26 @@ def _tensor_bytes(state: dict) -> int:
                [state["model"]["w"], state["model"]["r"], *state["small"]])
 
 
-def test_staging_buffers_are_reused_and_one_save_is_in_flight(tmp_path, monkeypatch):
-    gate = threading.Event()
-    real = LocalStorage.write_file
+def _staging(saver) -> tuple[dict, int]:
+    """Where a saver's staging copy lives (buffer -> address) and its size in bytes: the
+    shared buffer of saves the writer process commits, else host buffers of this process."""
+    buffer = saver.arena.buffer
+    if buffer is not None:
+        assert not saver.pool.buffers, "two staging copies"
+        return {buffer.id: buffer.address}, buffer.size
+    return {name: (id(buf), buf.data_ptr()) for name, buf in saver.pool.buffers.items()}, saver.pool.nbytes
 
-    def write_file(self, name, parts):
-        if name.startswith("manifest-") and self.path.endswith("step-000000001"):
-            assert gate.wait(30), "the test never opened the gate"
-        return real(self, name, parts)
 
-    monkeypatch.setattr(LocalStorage, "write_file", write_file)
-    mgr = safeckpt.CheckpointManager(tmp_path / "run", async_save=True)
+def test_staging_buffers_are_reused_and_one_save_is_in_flight(tmp_path, async_mode):
+    held = tmp_path / "run@held"
+    mgr = safeckpt.CheckpointManager(held, async_save=True)
     state = make_state(1)
     fut1 = mgr.save(1, state)
-    pool = mgr._saver.pool
-    first = {name: (id(buf), buf.data_ptr()) for name, buf in pool.buffers.items()}
-    assert first and pool.nbytes == _tensor_bytes(state)  # the documented bound: one copy
-    assert not fut1.done()  # held at its manifest by the gate
+    first, nbytes = _staging(mgr._saver)
+    assert first and nbytes == _tensor_bytes(state)  # the documented bound: one copy
+    assert not fut1.done()  # held before its data file
 
-    threading.Timer(0.5, gate.set).start()
+    threading.Timer(0.5, writer_faults.release, args=(held,)).start()
     fill(state, 2)
     started = time.perf_counter()
     fut2 = mgr.save(2, state)
@@ -309,58 +283,49 @@ def test_staging_buffers_are_reused_and_one_save_is_in_flight(tmp_path, monkeypa
     assert fut1.done(), "a second save started while the first was still in flight"
     assert waited >= 0.3, f"the second save returned after {waited:.3f}s, before the first committed"
     assert fut1.result().step == 1
-    again = {name: (id(buf), buf.data_ptr()) for name, buf in pool.buffers.items()}
-    assert again == first, "the staging buffers were reallocated for the same state"
-    assert pool.nbytes == _tensor_bytes(state)
+    assert _staging(mgr._saver) == (first, nbytes), "the staging buffers were reallocated for the same state"
     assert fut2.result(timeout=60).step == 2
     mgr.close()
     assert state_mismatch(safeckpt.load_state(mgr.path(1)), 1) is None
     assert state_mismatch(safeckpt.load_state(mgr.path(2)), 2) is None
 
 
-def test_async_save_function_reuses_its_buffers(tmp_path):
+def test_async_save_function_reuses_its_buffers(tmp_path, async_mode):
     from safeckpt.run import asyncsave
     state = make_state(1)
     safeckpt.async_save(state, tmp_path / "a").result(timeout=60)
-    pool = asyncsave._default.pool
-    first = {name: buf.data_ptr() for name, buf in pool.buffers.items()}
+    first, nbytes = _staging(asyncsave._default)
     assert first
-    assert pool.nbytes >= _tensor_bytes(state)
+    assert nbytes >= _tensor_bytes(state)
     fill(state, 2)
     safeckpt.async_save(state, tmp_path / "b").result(timeout=60)
-    assert {name: buf.data_ptr() for name, buf in pool.buffers.items()} == first
+    assert _staging(asyncsave._default) == (first, nbytes)
     assert state_mismatch(safeckpt.load_state(tmp_path / "a"), 1) is None
     assert state_mismatch(safeckpt.load_state(tmp_path / "b"), 2) is None
 
 
-def test_async_save_function_keeps_one_save_in_flight(tmp_path, monkeypatch):
-    gate = threading.Event()
-    real = LocalStorage.write_file
-
-    def write_file(self, name, parts):
-        if name.startswith("manifest-") and self.path.endswith("first"):
-            assert gate.wait(30)
-        return real(self, name, parts)
-
-    monkeypatch.setattr(LocalStorage, "write_file", write_file)
-    fut1 = safeckpt.async_save(make_state(1), tmp_path / "first")
+def test_async_save_function_keeps_one_save_in_flight(tmp_path, async_mode):
+    held = tmp_path / "first@held"
+    fut1 = safeckpt.async_save(make_state(1), held)
     assert not fut1.done()
-    threading.Timer(0.5, gate.set).start()
+    threading.Timer(0.5, writer_faults.release, args=(held,)).start()
     started = time.perf_counter()
     fut2 = safeckpt.async_save(make_state(2), tmp_path / "second")
     assert fut1.done() and time.perf_counter() - started >= 0.3
     assert fut2.result(timeout=60).path.endswith("second")
-    assert state_mismatch(safeckpt.load_state(tmp_path / "first"), 1) is None
+    assert state_mismatch(safeckpt.load_state(held), 1) is None
     assert state_mismatch(safeckpt.load_state(tmp_path / "second"), 2) is None
 
 
-def test_async_saves_from_two_threads_at_once_each_commit_their_own_state(tmp_path, monkeypatch):
+def test_async_saves_from_two_threads_at_once_each_commit_their_own_state(tmp_path, monkeypatch, async_mode):
     """Thread A is held just after its state was copied into the shared saver's host
     buffers, before its save starts; thread B calls ``async_save`` meanwhile. B must not
     copy its state into the buffers A's save is about to write (it used to: A committed
     B's bytes, with checksums computed over them)."""
+    from safeckpt.protocol.arena import ArenaStaging
     from safeckpt.protocol.staging import StagingPool
-    real = StagingPool.stage
+    stager = ArenaStaging if async_mode == "process" else StagingPool
+    real = stager.stage
     a_staged, b_returned = threading.Event(), threading.Event()
 
     def stage(self, layout):
@@ -370,7 +335,7 @@ def test_async_saves_from_two_threads_at_once_each_commit_their_own_state(tmp_pa
             b_returned.wait(1.0)  # B cannot return before A's save started: A goes on after 1 s
         return staged
 
-    monkeypatch.setattr(StagingPool, "stage", stage)
+    monkeypatch.setattr(stager, "stage", stage)
     states = {name: make_state(i + 1) for i, name in enumerate("AB")}
     futures = {}
 
@@ -429,12 +394,15 @@ def test_the_shared_saver_is_made_once_whichever_threads_call_first(tmp_path, mo
 
 
 def _kill_during_async_saves(server, tmp_path: Path, kills: int, seed: int) -> None:
+    """Kill after kill, the saves of one run go to the writer process, then to a thread
+    (the child's writer process is started before the loop of saves: seconds)."""
     rng = random.Random(seed)
     root = tmp_path / "run"
     committed_seen: list[int] = []
     for i in range(kills):
         progress = str(tmp_path / f"progress-{i}")
-        pid = server.fork("async_loop", root=str(root), progress=progress, keep_last=2, limit_s=60)
+        pid = server.fork("async_loop", root=str(root), progress=progress, keep_last=2, limit_s=60,
+                          writer=("process", "thread")[i % 2])
         _wait_for(lambda: "start" in read_log(progress), 60, "the child to restore")
         time.sleep(rng.uniform(0.0, 1.0))
         res = server.kill(pid)
@@ -471,7 +439,7 @@ def _kill_during_async_saves(server, tmp_path: Path, kills: int, seed: int) -> N
 
 
 def test_sigkill_during_async_saves(async_server, tmp_path):
-    _kill_during_async_saves(async_server, tmp_path, kills=10, seed=5)
+    _kill_during_async_saves(async_server, tmp_path, kills=8, seed=5)
 
 
 @pytest.mark.slow
@@ -581,3 +549,26 @@ def test_a_save_in_flight_when_the_script_ends_is_committed(tmp_path, how):
     assert proc.returncode == 0 and "safeckpt" not in proc.stderr, proc.stderr
     got = safeckpt.load_state(path if how == "async_save" else path / "step-000000001")
     assert torch.equal(got["w"], torch.arange(1 << 21, dtype=torch.float32)) and got["step"] == 1
+
+
+def test_without_memfd_async_saves_run_on_a_thread(tmp_path):
+    """Where no shared memfd buffer can be made (Windows, macOS: no ``os.memfd_create``),
+    an async save is snapshotted and committed by a thread of the saving process; no
+    writer process starts. A fresh interpreter, as the platform check runs at import."""
+    script = f"""
+import os, sys, torch
+del os.memfd_create  # as on Windows and macOS
+import safeckpt
+from safeckpt.run import asyncsave, writer
+state = {{"w": torch.arange(1 << 20, dtype=torch.float32), "step": 3}}
+fut = safeckpt.async_save(state, {str(tmp_path / "ckpt")!r})
+state["w"].zero_()  # after the snapshot: never saved
+fut.result(timeout=120)
+assert not writer.SUPPORTED and writer.current_pid() is None, "a writer process was started"
+assert asyncsave._default.arena.buffer is None and asyncsave._default.pool.buffers, "not staged on the thread path"
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert proc.returncode == 0, proc.stderr
+    got = safeckpt.load_state(tmp_path / "ckpt")
+    assert got["step"] == 3 and torch.equal(got["w"], torch.arange(1 << 20, dtype=torch.float32))

@@ -1,8 +1,9 @@
-"""Staged async saves (one process): every per-tensor step runs before ``async_save``
-returns, the background thread runs almost no Python, and what it commits is exactly
-what a synchronous save of the same state commits: views, tied weights, mixed dtypes,
-conj/neg views, pieces that span several checksum blocks; errors on the background
-thread reach the future as typed errors and leave the previous checkpoint."""
+"""Async saves of one process, handed to the writer process (``async_mode`` "process")
+or staged on the caller for a background thread ("thread"): the background thread of
+the saving process runs almost no Python, and what a save commits is exactly what a
+synchronous save of the same state commits: views, tied weights, mixed dtypes,
+conj/neg views, pieces that span several checksum blocks; errors reach the future as
+typed errors and leave the previous checkpoint."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt.run import asyncsave
+from safeckpt.protocol.checkpoint import save_request
+from safeckpt.run import asyncsave, writer
 from safeckpt.format.checksum import BLOCK_SIZE, checksum
 from safeckpt.format.folder import read_committed
 from safeckpt.protocol.datafile import COALESCE_BELOW, WrittenPiece
@@ -84,7 +86,7 @@ def _assert_same(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-def test_staged_save_commits_what_a_sync_save_commits(tmp_path):
+def test_staged_save_commits_what_a_sync_save_commits(tmp_path, async_mode):
     state = _mixed_state()
     expect = _values(state)
     fut = safeckpt.async_save(state, tmp_path / "async")
@@ -123,7 +125,8 @@ def _values_in_place(state: dict) -> list[torch.Tensor]:
     return [t for t in out if not (t.data_ptr() in seen or seen.add(t.data_ptr()))]  # one add_ per storage
 
 
-def test_staging_packs_small_pieces_into_regions_and_reuses_them(tmp_path):
+def test_staging_packs_small_pieces_into_regions_and_reuses_them(tmp_path, monkeypatch):
+    monkeypatch.setenv(writer.ENV, "thread")
     state = {"small": [torch.full((100 + i,), float(i)) for i in range(500)],
              "large": torch.arange(COALESCE_BELOW // 4 * 3, dtype=torch.float32)}
     safeckpt.async_save(state, tmp_path / "a").result(timeout=60)
@@ -141,11 +144,12 @@ def test_staging_packs_small_pieces_into_regions_and_reuses_them(tmp_path):
     assert safeckpt.load_state(tmp_path / "a")["small"][3][0].item() == 3.0
 
 
-def test_background_thread_runs_no_python_per_tensor(tmp_path):
-    """Count the Python calls made on the save's threads after ``async_save`` returned:
-    a constant per region and per large piece, never per tensor."""
+def test_background_thread_runs_no_python_per_tensor(tmp_path, async_mode):
+    """Count the Python calls made on the saving process's threads of a save after
+    ``submit`` returned: a constant (per region and per large piece, for a save on a
+    thread), never per tensor."""
     calls = {"n": 0}
-    ours = {"safeckpt-async-save", "safeckpt-hash"}
+    ours = {"safeckpt-async-save", "safeckpt-hash", "safeckpt-writer-answers"}
 
     def profile(frame, event, arg):
         if event == "call" and threading.current_thread().name.split("_")[0] in ours:
@@ -154,18 +158,23 @@ def test_background_thread_runs_no_python_per_tensor(tmp_path):
     def counted(n_small: int) -> int:
         state = {"opt": {f"p{i}": torch.full((64,), float(i)) for i in range(n_small)},
                  "w": torch.zeros(1 << 19)}
-        safeckpt.async_save(state, tmp_path / f"warm{n_small}").result(timeout=60)
-        calls["n"] = 0
-        threading.setprofile(profile)
+        saver = asyncsave.AsyncSaver()  # its thread (and the writer's reader) start below, profiled
         try:
-            fut = safeckpt.async_save(state, tmp_path / f"n{n_small}")
-            fut.result(timeout=60)
+            saver.submit(state, save_request(tmp_path / f"warm{n_small}")).result(timeout=60)
+            calls["n"] = 0
+            saver.submit(state, save_request(tmp_path / f"n{n_small}")).result(timeout=60)
+            return calls["n"]
         finally:
-            threading.setprofile(None)
-        return calls["n"]
+            saver.close()
 
-    few, many = counted(100), counted(4000)
+    writer.stop()
+    threading.setprofile(profile)
+    try:
+        few, many = counted(100), counted(4000)
+    finally:
+        threading.setprofile(None)
     assert many - few < 200, f"{few} Python calls for 100 tensors, {many} for 4,000: work per tensor"
+    assert few > 0, "nothing was counted: the profile missed the save's threads"
 
 
 def test_large_data_is_hashed_with_the_gil_released():
@@ -234,7 +243,7 @@ def test_placeholders_are_patched_in_the_table_or_it_is_built_again():
             assert table["small"].chunks[0].checksums == [checksum(b"small")]
 
 
-def test_a_large_piece_and_many_small_ones_commit_with_their_real_checksums(tmp_path):
+def test_a_large_piece_and_many_small_ones_commit_with_their_real_checksums(tmp_path, async_mode):
     state = {"big": torch.randn(3 * BLOCK_SIZE // 4 + 5), **{f"t{i}": torch.randn(16) for i in range(300)}}
     safeckpt.async_save(state, tmp_path / "c").result()
     report = safeckpt.verify(tmp_path / "c")
@@ -264,7 +273,32 @@ def test_a_failed_manifest_write_reaches_the_future_and_keeps_the_previous_check
            sorted(read_committed(open_storage(tmp_path / "ckpt")).files), "the failed save's data file was left"
 
 
-def test_a_refused_save_fails_its_future_and_writes_nothing(tmp_path):
+def test_a_failed_manifest_write_in_either_mode_keeps_the_previous_checkpoint(tmp_path, async_mode):
+    """The same as above through the faults of ``async_mode`` (the writer process's own)."""
+    path = tmp_path / "ckpt@eio"
+    old = _mixed_state()
+    _save_outside_the_faults(old, path)
+    new = _mixed_state()
+    new["step"] = 13
+    fut = safeckpt.async_save(new, path, overwrite=True)
+    with pytest.raises(safeckpt.StorageError) as err:
+        fut.result(timeout=120)
+    assert err.value.errno == errno.EIO, err.value
+    got = safeckpt.load_state(path)
+    assert got["step"] == 12
+    _assert_same(_values(got), _values(old))
+    assert sorted(p.name for p in path.iterdir() if p.name.startswith(("data-", "manifest-"))) == \
+           sorted([*read_committed(open_storage(path)).files, "manifest-000001.json"])
+
+
+def _save_outside_the_faults(state: dict, path) -> None:
+    """Save ``state`` at ``path`` without the faults its name asks for (saved elsewhere, moved)."""
+    elsewhere = path.parent / "plain"
+    safeckpt.save(state, elsewhere)
+    elsewhere.rename(path)
+
+
+def test_a_refused_save_fails_its_future_and_writes_nothing(tmp_path, async_mode):
     safeckpt.save({"w": torch.ones(3)}, tmp_path / "c")
     before = sorted(p.name for p in (tmp_path / "c").iterdir())
     fut = safeckpt.async_save({"w": torch.zeros(3)}, tmp_path / "c")
@@ -273,7 +307,7 @@ def test_a_refused_save_fails_its_future_and_writes_nothing(tmp_path):
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == before
 
 
-def test_a_bad_state_raises_from_async_save_itself(tmp_path):
+def test_a_bad_state_raises_from_async_save_itself(tmp_path, async_mode):
     with pytest.raises(safeckpt.UnsafeObjectError):
         safeckpt.async_save({"q": torch.ones(4).to_sparse()}, tmp_path / "q")
     assert not (tmp_path / "q").exists() or not any((tmp_path / "q").iterdir())
@@ -283,6 +317,7 @@ def test_regions_of_the_same_size_each_keep_their_own_bytes(tmp_path, monkeypatc
     """Every region of a staged save has a buffer of its own, even when two regions are
     the same size (they once shared one: the last region's bytes were written for all)."""
     from safeckpt.protocol import staging
+    monkeypatch.setenv(writer.ENV, "thread")
     monkeypatch.setattr(staging, "STAGED_REGION", 4096)  # regions of exactly four 1 KiB pieces
     state = {f"t{i:03d}": torch.full((256,), float(i)) for i in range(40)}
     safeckpt.async_save(state, tmp_path / "c").result(timeout=60)

@@ -109,6 +109,38 @@ def test_data_then_manifest_each_fsynced_with_their_folder(tmp_path, monkeypatch
     assert state_mismatch(safeckpt.load_state(ckpt), 1) is None
 
 
+def test_a_data_file_is_handed_to_the_disk_while_it_is_written_and_fsynced_after(tmp_path, monkeypatch):
+    """The kernel is asked to write a data file to the disk as it is written, 16 MiB at a
+    time, in order, without gaps (``sync_file_range``: a hint, not durability), and the
+    file is still fsynced after its last byte. Without the hint the disk started only at
+    the fsync: a 1 GiB save took 1.6x the time it takes with it."""
+    from safeckpt.storage import local
+    if local._sync_file_range is None:
+        pytest.skip("no sync_file_range here (Linux only)")
+    events: list[tuple] = []
+    real_hint, real_fsync = local.OSFileSystem.start_writeback, local.OSFileSystem.fsync
+
+    def hint(self, fd, offset, length):
+        events.append(("hint", _fd_path(fd), offset, length))
+        return real_hint(self, fd, offset, length)
+
+    def fsync(self, fd):
+        events.append(("fsync", _fd_path(fd)))
+        return real_fsync(self, fd)
+
+    monkeypatch.setattr(local.OSFileSystem, "start_writeback", hint)
+    monkeypatch.setattr(local.OSFileSystem, "fsync", fsync)
+    state = {"w": [torch.full((3 << 20,), float(i)) for i in range(4)]}  # 4 pieces of 12 MiB
+    info = safeckpt.save(state, tmp_path / "ckpt")
+    data = str(tmp_path / "ckpt" / info.files[0])
+    hints = [(e[2], e[3]) for e in events if e[:2] == ("hint", data)]
+    assert len(hints) >= 2 and all(n >= local.WRITEBACK_EVERY for _, n in hints), hints
+    assert [a for a, _ in hints] == [0, *(a + n for a, n in hints[:-1])], "gaps or overlaps in the ranges"
+    assert events.index(("fsync", data)) > max(i for i, e in enumerate(events) if e[:2] == ("hint", data))
+    got = safeckpt.load_state(tmp_path / "ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(got["w"], state["w"]))
+
+
 def test_fsync_eio_on_data_file_aborts_and_is_never_retried(tmp_path, monkeypatch):
     path = tmp_path / "ckpt"
     safeckpt.save(_small(1.0), path)

@@ -23,14 +23,13 @@ Three ways in:
 
 - ``python async_child.py fail_unobserved DIR``: async saves that fail (ENOSPC) and
   whose futures nobody looks at; the process then exits normally, and the error must
-  reach stderr from the atexit handler.
+  reach stderr from the handler that finishes async saves at exit.
 
 Every child is bounded in time (faulthandler dumps its stacks and exits).
 """
 
 from __future__ import annotations
 
-import errno
 import faulthandler
 import json
 import os
@@ -83,10 +82,17 @@ def read_log(path: str) -> dict[str, list[int]]:
 # --------------------------------------------------------------------------- fork modes
 
 
-def mode_async_loop(root: str, progress: str, keep_last: int = 2, limit_s: float = 60.0) -> None:
+def mode_async_loop(root: str, progress: str, keep_last: int = 2, limit_s: float = 60.0,
+                    writer: str = "process") -> None:
+    """``writer``: where the saves run (``SAFECKPT_ASYNC_WRITER``)."""
     import safeckpt
+    from safeckpt.run.writer import ENV
+    os.environ[ENV] = writer
     faulthandler.dump_traceback_later(limit_s + 30, exit=True)
     log = _Log(progress)
+    # the writer process starts with the first async save (an interpreter importing torch:
+    # seconds on a busy machine); started here, so that the kills hit the loop of saves
+    safeckpt.async_save({"warm": make_state(0)["model"]["w"][:1]}, progress + ".warm").result()
     mgr = safeckpt.CheckpointManager(root, keep_last=keep_last, async_save=True)
     state = make_state(0)
     latest = mgr.restore(state)
@@ -234,34 +240,22 @@ def train(root: str, progress: str, save_every: int = 5, limit_s: float = 60.0) 
 
 
 def fail_unobserved(folder: str) -> None:
-    """Async saves fail with ENOSPC on their data files: one whose error was seen via
-    ``result()``, then two (``async_save`` and an async manager) whose futures nobody
-    looks at; the process exits normally."""
+    """Async saves fail with ENOSPC on their data files (``writer_faults``, in the
+    writer process or in this one, as ``SAFECKPT_ASYNC_WRITER`` says): one whose error
+    was seen via ``result()``, then two (``async_save`` and an async manager) whose
+    futures nobody looks at; the process then exits normally."""
     import safeckpt
-    from safeckpt.storage.local import OSFileSystem
+    import writer_faults
+    from safeckpt.run import writer
 
-    full: set[int] = set()
-    real_open, real_write = OSFileSystem.open, OSFileSystem.write
-
-    def open_(self, path, flags, mode=0o777):
-        fd = real_open(self, path, flags, mode)
-        full.discard(fd)
-        if os.path.basename(path).startswith("data-"):
-            full.add(fd)
-        return fd
-
-    def write(self, fd, data):
-        if fd in full:  # a full disk, as the OS reports it
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_write(self, fd, data)
-
-    OSFileSystem.open, OSFileSystem.write = open_, write
+    writer.COMMAND = writer_faults.writer_command()
+    writer_faults.install()
     try:  # an error someone saw is never reported again
-        safeckpt.async_save(make_state(0), os.path.join(folder, "seen")).result()
+        safeckpt.async_save(make_state(0), os.path.join(folder, "seen@full")).result()
     except safeckpt.StorageError:
         print("seen", flush=True)
-    safeckpt.async_save(make_state(1), os.path.join(folder, "plain"))
-    mgr = safeckpt.CheckpointManager(os.path.join(folder, "run"), async_save=True)
+    safeckpt.async_save(make_state(1), os.path.join(folder, "plain@full"))
+    mgr = safeckpt.CheckpointManager(os.path.join(folder, "run@full"), async_save=True)
     mgr.save(7, make_state(7))
     print("returned", flush=True)  # and now the interpreter exits without looking
 

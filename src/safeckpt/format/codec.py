@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import itertools
 import math
 import pickle
 from dataclasses import dataclass
@@ -120,21 +121,26 @@ def encode(value: Any, key: str, on_tensor: Callable[[str, torch.Tensor], JSON],
         raise _too_deep(key)
     inner = depth + 1
     fast = inner < MAX_DEPTH  # tensor children may go to on_tensor directly
-    if kind is dict or kind is collections.OrderedDict:
-        keys, values = [], []
-        plain = kind is dict
+    values: list = []
+    if kind is dict:  # the common case first: string keys, encoded as a plain JSON object
+        out: dict = {}
         for k, v in value.items():
-            if plain and (type(k) is not str or k[:1] == "$"):
-                plain = False
-            name = (f"{key}.{k}" if key else k) if type(k) is str else child_key(key, k)  # inlined for a str
-            keys.append(k)
+            if type(k) is not str or k[:1] == "$":
+                values = list(out.values())  # a tagged object after all: the values so far, then the rest
+                break
+            name = f"{key}.{k}" if key else k  # child_key, inlined: once per tensor
+            out[k] = (on_tensor(name, v) if fast and type(v) in _TENSORS else
+                      encode(v, name, on_tensor, on_object, allow_pickle, inner))
+        else:
+            return out
+    if kind is dict or kind is collections.OrderedDict:
+        for k, v in itertools.islice(value.items(), len(values), None):
+            name = (f"{key}.{k}" if key else k) if type(k) is str else child_key(key, k)
             values.append(on_tensor(name, v) if fast and type(v) in _TENSORS else
                           encode(v, name, on_tensor, on_object, allow_pickle, inner))
-        if plain:
-            return dict(zip(keys, values))
         tag = "$dict" if kind is dict else "$odict"
         return {tag: [[k if type(k) is str else encode_leaf_or_tuple(k, key, allow_pickle), v]  # a str is itself
-                      for k, v in zip(keys, values)]}
+                      for k, v in zip(value, values)]}
     if kind is list or kind is tuple or kind is torch.Size:
         items = [on_tensor(f"{key}.{i}" if key else str(i), v) if fast and type(v) in _TENSORS else
                  encode(v, f"{key}.{i}" if key else str(i), on_tensor, on_object, allow_pickle, inner)

@@ -137,6 +137,7 @@ class SaveRequest:
     chunk_size: int | None = None  # incremental: share chunks with ``base``'s checkpoint
     base: Callable[[], "tuple[str, Manifest] | None"] | None = None  # rank 0: (sibling folder, manifest)
     runner: Callable[..., SaveRun] = SaveRun  # the protocol; the node tier commits on many disks
+    save_id: str | None = None  # drawn before the save (by a process that hands the save to another one)
 
     def flattener(self, state: dict) -> Callable[[], FlatState]:
         """How this rank turns ``state`` into pieces; a bad state is refused before
@@ -149,7 +150,8 @@ class SaveRequest:
     def start(self, runner: "Callable[..., SaveRun] | None" = None) -> SaveRun:
         """The protocol's run for this save, not yet started (``runner``: its class)."""
         return (runner or self.runner)(self.group, self.storage, overwrite=self.overwrite, step=self.step,
-                                       metadata=self.metadata, metrics=self.metrics, new_save_id=new_save_id,
+                                       metadata=self.metadata, metrics=self.metrics,
+                                       new_save_id=new_save_id if self.save_id is None else lambda: self.save_id,
                                        existing=read_existing, before_commit=self.before_commit,
                                        run_id=self.run_id, durable_root=self.durable_root,
                                        chunk_size=self.chunk_size, base=self.base)

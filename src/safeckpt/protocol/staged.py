@@ -9,6 +9,10 @@ placeholders for the checksums of large pieces. ``finish`` (the background threa
 left with what releases the GIL or costs the same for any number of tensors: the
 writes, fsync, hashing large pieces in 16 MiB blocks, patching their checksums into the
 manifest's table, encoding it (vectorized) and the commit.
+
+The async writer process (``run.writer``) runs the same two halves one after the other,
+with ``arena.BufferStager`` in place of ``StagingPool``: there the pieces are already in
+a shared buffer laid out as the data file, and ``stage`` only slices it.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from .datafile import WrittenPiece, hashed_while_written, write_parts
 from ..format.compact import TensorTable
 from ..format.manifest import Manifest
 from ..format.names import data_file_name
-from .staging import StagedFile, StagingPool
+from .staging import StagedFile, Stager
 from .state import FlatState
 
 class Placeholders:
@@ -81,7 +85,7 @@ class StagedRun(SaveRun):
         self.placeholders: Placeholders | None = None
         self.prepared: tuple[FlatState | None, list[Intent], Assignment] | None = None
 
-    def stage(self, flatten: Any, pool: StagingPool) -> None:
+    def stage(self, flatten: Any, pool: Stager) -> None:
         """Phase 1, then the state copied into ``pool`` as its data file, and the manifest."""
         assert self.group.size == 1 and self.chunk_size is None, "staged saves are full saves of one process"
         self.prepared = flat, intents, mine = self.prepare(flatten)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import operator
 from dataclasses import dataclass
-from typing import Union
+from typing import Callable, Protocol, Union
 
 import torch
 
@@ -37,12 +37,51 @@ class StagedFile:
     written: list[WrittenPiece]
 
 
-def _bytes_of(src: torch.Tensor) -> torch.Tensor:
+class Stager(Protocol):
+    """What arranges a data file's bytes for a staged save: ``StagingPool`` (copies) or
+    ``arena.BufferStager`` (slices of a buffer that already holds them)."""
+
+    def stage(self, layout: DataFileLayout) -> StagedFile: ...
+
+
+def staged_file(layout: DataFileLayout, place: "Callable[[int, int, bool], tuple[memoryview, bool]]",
+                landed: "Callable[[], None]" = lambda: None) -> StagedFile:
+    """The parts of ``layout``'s data file, in order: ``place(first, stop, small)`` gives
+    the bytes of each run of entries (``runs``: a region of small pieces, or one large
+    piece) and whether they can be hashed now; those that cannot are hashed after
+    ``landed()`` (copies from a GPU still in flight). Small pieces get their checksums
+    here, while their region is in cache; a large piece is hashed while it is written."""
+    entries = layout.entries
+    parts: list[tuple[Part, WrittenPiece | None]] = [(layout.header, None)]
+    written: list[WrittenPiece] = []
+    later: list[tuple[int, int, memoryview]] = []
+    for i, j, small in runs(entries, STAGED_REGION):
+        data, now = place(i, j, small)
+        if not small:
+            name, _, start, end = entries[i]
+            piece = WrittenPiece(name, start, end)
+            written.append(piece)
+            parts.append((data, piece))
+            continue
+        run = entries[i:j]
+        parts.append((data, None))
+        sums: list[list[str]] = region_checksums(data, run) if now else [[] for _ in run]
+        written += map(WrittenPiece, map(_NAME, run), map(_START, run), map(_END, run), sums)
+        if not now:
+            later.append((i, j, data))
+    landed()
+    for i, j, data in later:
+        for w, checksums in zip(written[i:j], region_checksums(data, entries[i:j])):
+            w.checksums[:] = checksums
+    return StagedFile(parts, written)
+
+
+def bytes_of(src: torch.Tensor) -> torch.Tensor:
     """The values of a tensor as a flat ``uint8`` tensor on its device."""
     return src.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _synchronize(devices: "set[torch.device]") -> None:
+def synchronize(devices: "set[torch.device]") -> None:
     """Wait for the asynchronous copies from these GPUs (each device has its own queue)."""
     for device in devices:
         torch.cuda.synchronize(device)
@@ -91,7 +130,7 @@ class StagingPool:
             buf = self._buffer(name, src.shape, src.dtype, src.is_cuda)
             self._copy(buf, src, pending)
             pieces[name] = Piece(buf, piece.info)
-        _synchronize(pending)  # the non-blocking copies must land before we return
+        synchronize(pending)  # the non-blocking copies must land before we return
         self._keep_only(pieces)
         return FlatState(flat.tree, pieces, flat.aliases, flat.has_local)
 
@@ -100,38 +139,28 @@ class StagingPool:
         its data file. Small pieces are checksummed here; a large piece's
         ``WrittenPiece`` has no checksums yet (they are computed while it is written)."""
         entries = layout.entries
-        parts: list[tuple[Part, WrittenPiece | None]] = [(layout.header, None)]
-        written: list[WrittenPiece] = []
-        on_gpu: list[tuple[int, int, torch.Tensor]] = []  # (first, stop, buffer) of regions copied from a GPU
         keys: set[str] = set()
         pending: set[torch.device] = set()
-        for i, j, small in runs(entries, STAGED_REGION):
+
+        def place(i: int, j: int, small: bool) -> tuple[memoryview, bool]:
             if not small:
-                name, src, start, end = entries[i]
+                name, src = entries[i][0], entries[i][1]
                 key = "piece:" + name
                 buf = self._buffer(key, src.shape, src.dtype, src.is_cuda)
                 self._copy(buf, src, pending)
-                piece = WrittenPiece(name, start, end)
-                written.append(piece)
-                parts.append((byte_view(buf), piece))
+                pinned = False  # hashed while it is written, after the copies landed
             else:
                 run = entries[i:j]
                 key = f"region:{len(keys)}"  # one buffer per region: each is written after all are filled
                 pinned = any(map(_IS_CUDA, map(_TENSOR, run)))
                 buf = self._buffer(key, (run[-1][3] - run[0][2],), torch.uint8, pinned)
                 self._fill_region(buf, run, pending)
-                parts.append((byte_view(buf), None))
-                sums: list[list[str]] = [[] for _ in run] if pinned else region_checksums(byte_view(buf), run)  # still in cache
-                written += map(WrittenPiece, map(_NAME, run), map(_START, run), map(_END, run), sums)
-                if pinned:
-                    on_gpu.append((i, j, buf))  # hashed once the copies from the GPU have landed
             keys.add(key)
-        _synchronize(pending)  # the copies land before we return
-        for i, j, buf in on_gpu:
-            for w, checksums in zip(written[i:j], region_checksums(byte_view(buf), entries[i:j])):
-                w.checksums[:] = checksums
+            return byte_view(buf), not pinned  # copied from a GPU: hashed once the copies landed
+
+        file = staged_file(layout, place, lambda: synchronize(pending))  # the copies land before we return
         self._keep_only(keys)
-        return StagedFile(parts, written)
+        return file
 
     @staticmethod
     def _fill_region(buf: torch.Tensor, run: list[tuple[str, torch.Tensor, int, int]], pending: set) -> None:
@@ -145,7 +174,7 @@ class StagingPool:
             if holds_values(src):  # one ``memmove``: no torch op, the GIL released
                 move(address + start, src.data_ptr(), end - start)
             else:
-                buf[start - base:end - base].copy_(_bytes_of(src), non_blocking=src.is_cuda)
+                buf[start - base:end - base].copy_(bytes_of(src), non_blocking=src.is_cuda)
                 if src.is_cuda:
                     pending.add(src.device)
 

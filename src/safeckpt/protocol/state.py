@@ -61,59 +61,77 @@ def local_name(key: str, rank: int) -> str:
     return f"{key}@{rank}"
 
 
-def _view_key(t: torch.Tensor, kind: str, offsets: Sequence[int]) -> tuple:
+def view_key(t: torch.Tensor, kind: str, offsets: Sequence[int]) -> tuple:
     """What makes two tensors the same stored piece: the same view of the same memory."""
     return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.is_conj(), t.is_neg(), kind,
             tuple(offsets))
 
 
-def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState:
-    """Walk ``state``; tensors that are the same view of the same memory are stored once.
+@dataclass
+class Walk:
+    """A state walked once: the manifest's tree and every tensor in it, in order, with
+    its name (the first half of ``flatten``). An async save by one process does no more
+    per tensor while its caller waits (``protocol.arena``)."""
 
-    Ties are found by address first (one ``data_ptr`` and one dict lookup per tensor):
-    only tensors whose memory starts where another's does are compared by their whole
-    view (``_view_key``). The tree is built by the codec, which refuses what it cannot
-    encode; it is checked again (``check_tree``) only where a hook built part of it."""
+    tree: Any  # its tensors are ``{"$tensor": name}``, or all one ``UNNAMED`` (``named_tree``)
+    names: list[str]
+    tensors: list[torch.Tensor]
+    boxes: dict[int, tuple[str, Any]]  # tensor index -> (kind, (global shape, offsets) or None): not replicated
+    has_local: bool = False
+    named: bool = True
+
+    def named_tree(self) -> Any:
+        """The tree with every tensor's name in its reference."""
+        return self.tree if self.named else name_tensors(self.tree, self.names)
+
+
+UNNAMED = {"$tensor": None}  # the one reference every tensor of an unnamed walk leaves in its tree
+
+
+def name_tensors(tree: Any, names: list[str]) -> Any:
+    """A tree whose ``UNNAMED`` references (any dict equal to it) are replaced by
+    ``{"$tensor": name}``, the names in the order ``walk`` met the tensors: the order of
+    the tree's dict values and list items, depth first."""
+    order = iter(names)
+
+    def fill(node: Any) -> Any:
+        if type(node) is dict:
+            if len(node) == 1 and node.get("$tensor", "") is None:
+                return {"$tensor": next(order)}
+            return {k: fill(v) for k, v in node.items()}
+        if type(node) is list:
+            return [fill(v) for v in node]
+        return node
+
+    return fill(tree) if names else tree
+
+
+def walk(state: dict, allow_pickle: bool = False, rank: int = 0, named: bool = True) -> Walk:
+    """Walk ``state``: objects with ``state_dict()`` are replaced by their state, every
+    tensor is recorded (a ``Shard``/DTensor box, a rank-local tensor or a whole one) and
+    everything else is encoded with the restricted codec, which refuses what it cannot
+    encode. Not ``named``: every tensor leaves the same ``UNNAMED`` reference in the tree
+    (no object per tensor, and a small pickle: an async save hands the tree over)."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, not {type(state).__name__}")
-    pieces: dict[str, Piece] = {}
-    aliases: dict[str, str] = {}
-    first_at: dict[int, str] = {}  # address -> the first piece with bytes that starts there
-    views: dict[tuple, str] = {}   # view key -> piece, for addresses several tensors start at
-    shared: set[int] = set()       # those addresses
+    names: list[str] = []
+    tensors: list[torch.Tensor] = []
+    boxes: dict[int, tuple[str, Any]] = {}
+    name_of, tensor_of = names.append, tensors.append
     has_local = False
-    dtype_names, new_info = DTYPE_NAMES, tuple.__new__  # PieceInfo._make without its checks: 20% of a piece
 
-    def add(name: str, t: torch.Tensor, kind: str = "replicated",
-            box: tuple[Sequence[int], Sequence[int]] | None = None) -> dict:
-        """Record tensor ``t`` under ``name`` (the codec's ``on_tensor`` for whole tensors);
-        ``box``: (global shape, offsets) of a shard, None for a whole tensor."""
-        if name in pieces or name in aliases:
-            raise UnsafeObjectError(f"two tensors in the state are both named {name!r}; rename one of the keys")
-        if not is_storable(t):
-            to_storable(t, name)  # raises the clear error
-        shape = t.shape  # a torch.Size: a tuple, made once
-        global_shape, offsets = (shape, (0,) * len(shape)) if box is None else (tuple(box[0]), tuple(box[1]))
-        nbytes = t.nbytes
-        if nbytes:
-            address = t.data_ptr()
-            first = first_at.setdefault(address, name)
-            if first != name:  # memory another tensor starts at: compare whole views
-                if address not in shared:
-                    shared.add(address)
-                    info = pieces[first].info
-                    views[_view_key(pieces[first].tensor, info.kind, info.offsets)] = first
-                tied = views.setdefault(_view_key(t, kind, offsets), name)
-                if tied != name:
-                    aliases[name] = tied
-                    return {"$tensor": name}
-        dtype = t.dtype
-        pieces[name] = Piece(t, new_info(PieceInfo, (name, kind, dtype_names.get(dtype) or dtype_name(dtype),
-                                                     global_shape, offsets, shape, nbytes)))
-        return {"$tensor": name}
+    def add(name: str, t: torch.Tensor) -> dict:
+        """The codec's ``on_tensor``: a whole tensor, or the tensor of a box just recorded."""
+        name_of(name)
+        tensor_of(t)
+        return {"$tensor": name} if named else UNNAMED
+
+    def add_box(name: str, t: torch.Tensor, kind: str, box: Any = None) -> dict:
+        boxes[len(names)] = (kind, box)
+        return add(name, t)
 
     def on_local_tensor(key: str, t: torch.Tensor) -> dict:
-        return add(local_name(key, rank), t, "local")
+        return add_box(local_name(key, rank), t, "local")
 
     def on_object(key: str, value: Any, local: bool = False) -> Any:
         if isinstance(value, RankLocal):
@@ -136,14 +154,58 @@ def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState
                 if box is None:  # this rank holds no part of it
                     return codec.Encoded({"$tensor": key})
                 t, shape, offsets = box
-            return codec.Encoded(add(key, t, "shard", (shape, offsets)))
+            return codec.Encoded(add_box(key, t, "shard", (tuple(shape), tuple(offsets))))
         return value.state_dict() if is_stateful(value) else value
 
     tree = codec.encode(state, "", add, on_object, allow_pickle)
-    if has_local:  # a rank-local subtree was encoded from depth 0 by the hook: check the whole tree
-        codec.check_tree(tree, "cannot save the state", pieces.keys() | aliases.keys(), rank_tree=True,
-                         error=UnsafeObjectError)
-    return FlatState(tree, pieces, aliases, has_local)
+    return Walk(tree, names, tensors, boxes, has_local, named)
+
+
+def flatten(state: dict, allow_pickle: bool = False, rank: int = 0) -> FlatState:
+    """``walk`` the state, then make each tensor a named piece (``pieces_of``)."""
+    return pieces_of(walk(state, allow_pickle, rank))
+
+
+def pieces_of(walked: Walk) -> FlatState:
+    """The pieces of a walked state; tensors that are the same view of the same memory
+    are stored once. Ties are found by address first (one ``data_ptr`` and one dict
+    lookup per tensor): only tensors whose memory starts where another's does are
+    compared by their whole view (``view_key``)."""
+    pieces: dict[str, Piece] = {}
+    aliases: dict[str, str] = {}
+    first_at: dict[int, str] = {}  # address -> the first piece with bytes that starts there
+    views: dict[tuple, str] = {}   # view key -> piece, for addresses several tensors start at
+    shared: set[int] = set()       # those addresses
+    dtype_names, new_info = DTYPE_NAMES, tuple.__new__  # PieceInfo._make without its checks: 20% of a piece
+    boxes, whole = walked.boxes, ("replicated", None)
+    for i, (name, t) in enumerate(zip(walked.names, walked.tensors)):
+        if name in pieces or name in aliases:
+            raise UnsafeObjectError(f"two tensors in the state are both named {name!r}; rename one of the keys")
+        if not is_storable(t):
+            to_storable(t, name)  # raises the clear error
+        kind, box = boxes.get(i, whole) if boxes else whole
+        shape = t.shape  # a torch.Size: a tuple, made once
+        global_shape, offsets = (shape, (0,) * len(shape)) if box is None else box
+        nbytes = t.nbytes
+        if nbytes:
+            address = t.data_ptr()
+            first = first_at.setdefault(address, name)
+            if first != name:  # memory another tensor starts at: compare whole views
+                if address not in shared:
+                    shared.add(address)
+                    info = pieces[first].info
+                    views[view_key(pieces[first].tensor, info.kind, info.offsets)] = first
+                tied = views.setdefault(view_key(t, kind, offsets), name)
+                if tied != name:
+                    aliases[name] = tied
+                    continue
+        dtype = t.dtype
+        pieces[name] = Piece(t, new_info(PieceInfo, (name, kind, dtype_names.get(dtype) or dtype_name(dtype),
+                                                     global_shape, offsets, shape, nbytes)))
+    if walked.has_local:  # a rank-local subtree was encoded from depth 0 by the hook: check the whole tree
+        codec.check_tree(walked.named_tree(), "cannot save the state", pieces.keys() | aliases.keys(),
+                         rank_tree=True, error=UnsafeObjectError)
+    return FlatState(walked.tree, pieces, aliases, walked.has_local)
 
 
 @dataclass

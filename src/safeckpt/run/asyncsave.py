@@ -1,9 +1,13 @@
 """Async saves: snapshot the state into reusable host buffers, then commit in the background.
 
-The caller is blocked for the copy into host memory (pinned when tensors live on a
-GPU) and, for a save by one process, for every other per-tensor step too, so that the
+A full save by one process to a local or network filesystem goes to the writer process
+(``writer``): the caller walks the state and copies its tensors into a shared buffer
+(``arena``), and the writer, with an interpreter of its own, does every other step;
+this process keeps a thread that waits for its answer. Other saves by one process are
+staged on the caller, every per-tensor step done before the call returns, so that the
 background thread, which shares the GIL with the training, runs almost no Python
-(``staged``). Afterwards the training may change its tensors freely. At most one save is in
+(``staged``); saves by several ranks copy each tensor into a buffer of its own and agree
+on the layout in the background. Afterwards the training may change its tensors freely. At most one save is in
 flight per saver: the next save first waits for the previous commit, so host memory
 for staging is bounded by one copy of the state's tensors, reused from save to save.
 Any thread may submit: a saver takes one submission at a time, whole (wait for the
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import queue
 import sys
 import threading
 import time
@@ -24,11 +30,13 @@ import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, cast
 
+from ..protocol.arena import ArenaStaging, SharedBuffer
 from ..protocol.checkpoint import CheckpointInfo, SaveRequest, gc_paused, log_save, save_request
 from ..protocol.group import resolve
 from ..protocol.staged import StagedRun
 from ..protocol.staging import StagingPool
-from ..protocol.state import FlatState
+from ..protocol.state import FlatState, walk
+from . import writer
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +65,20 @@ class AsyncSaver:
 
     def __init__(self) -> None:
         self.pool = StagingPool()
+        self.arena = ArenaStaging()  # the shared buffer of saves the writer process commits
         self.pending: SaveFuture | None = None
         self._work: Callable[[], CheckpointInfo] | None = None  # the save in flight, freed by ``wait``
         self._lock = threading.Lock()  # guards ``pending`` and ``_work``
         self._submitting = threading.Lock()  # one submission at a time: wait, snapshot, start
+        self._queue: queue.SimpleQueue | None = None  # the background thread's saves (``_background``)
+        weakref.finalize(self, _release, self.arena)  # a saver never closed: its buffer goes, in the writer too
         _live.add(self)
 
     @gc_paused
     def submit(self, state: dict, request: SaveRequest,
                on_done: Callable[[CheckpointInfo, float], None] | None = None) -> SaveFuture:
-        """Snapshot ``state`` and start committing it; returns once the snapshot is taken.
-        A full save by one process is staged: every per-tensor step runs here, and the
-        background thread only writes, hashes large pieces and commits (``staged``)."""
+        """Snapshot ``state`` and start committing it; returns once the snapshot is taken
+        (see the module docstring for the three ways)."""
         started = time.perf_counter()
         with self._submitting:  # held until the save has started: its buffers are its own
             return self._submit(state, request, on_done, started)
@@ -76,6 +86,15 @@ class AsyncSaver:
     def _submit(self, state: dict, request: SaveRequest,
                 on_done: Callable[[CheckpointInfo, float], None] | None, started: float) -> SaveFuture:
         self.wait()
+        job = writer.job_for(request)
+        if job is not None:
+            walked = walk(state, request.allow_pickle, named=False)  # a bad state raises here
+            self.pool.buffers.clear()  # one staging copy: the shared buffer
+            handover = self.arena.stage(walked)
+            buffer = cast(SharedBuffer, self.arena.buffer)
+            return self._start(lambda: request.info(writer.commit(job, handover, buffer, request), started),
+                               started, on_done)
+        self._release_arena()
         flattener = request.flattener(state)  # one process: flattened now, a bad state raises here
         work: Callable[[], CheckpointInfo]
         if request.stageable:
@@ -107,6 +126,7 @@ class AsyncSaver:
         started = time.perf_counter()
         with self._submitting:
             self.wait()
+            self._release_arena()
             return self._start(prepare(self.pool), started, on_done)
 
     def _start(self, work: Callable[[], Any], started: float,
@@ -114,25 +134,22 @@ class AsyncSaver:
         """Run ``work`` (a save already snapshotted) on the background thread; its error
         is delivered through the future."""
         future = SaveFuture(time.perf_counter() - started)
-        thread = threading.Thread(target=self._run, args=(future, work, on_done),
-                                  name="safeckpt-async-save")  # not a daemon: exit waits for it
         with self._lock:
             self.pending, self._work = future, work
-        thread.start()
+        self._background().put((future, work, on_done))
         return future
 
-    def _run(self, future: SaveFuture, work: Callable[[], Any],
-             on_done: Callable[[Any, float], None] | None) -> None:
-        try:
-            info = work()
-            if on_done is not None:
-                on_done(info, future.blocked_seconds)
-            else:
-                log_save(info, future.blocked_seconds)
-        except BaseException as exc:  # delivered through the future, never dropped
-            future.set_exception(exc)
-            return
-        future.set_result(info)
+    def _background(self) -> queue.SimpleQueue:
+        """The queue of this saver's background thread, started on first use and kept:
+        handing a save to a running thread costs the caller nothing, while starting a
+        thread waits until the new thread runs (tens of milliseconds on a busy machine).
+        A daemon: at exit, ``_finish_at_exit`` waits for the saves in flight first."""
+        if self._queue is None:
+            saves: queue.SimpleQueue = queue.SimpleQueue()
+            self._queue = saves
+            threading.Thread(target=_serve, args=(saves,), name="safeckpt-async-save", daemon=True).start()
+            weakref.finalize(self, saves.put, None)  # the thread ends with its saver
+        return self._queue
 
     def wait(self) -> CheckpointInfo | None:
         """Wait for the save in flight; raise its error unless someone already saw it.
@@ -163,7 +180,48 @@ class AsyncSaver:
                 self.wait()
             finally:
                 self.pool.buffers.clear()
+                self._release_arena()
                 _live.discard(self)
+
+    def _release_arena(self) -> None:
+        """Free the shared buffer (a save staged elsewhere: one staging copy at a time)."""
+        _release(self.arena)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: the parent's save in flight is the parent's (its thread
+        did not come along), and so are its locks."""
+        self.pending, self._work, self._queue = None, None, None
+        self._lock, self._submitting = threading.Lock(), threading.Lock()
+
+
+def _release(arena: ArenaStaging) -> None:
+    """Free a saver's shared buffer, here and in the writer process."""
+    if arena.buffer is not None:
+        writer.forget(arena.buffer)
+        arena.close()
+
+
+def _serve(saves: queue.SimpleQueue) -> None:
+    """A saver's background thread: run each save handed to it (``None`` ends it). It
+    lets go of a save before its future is set, so the save's objects are freed by
+    the caller (``wait``)."""
+    while (item := saves.get()) is not None:
+        future, work, on_done = item
+        del item
+        error: BaseException | None = None
+        try:
+            info = work()
+            if on_done is not None:
+                on_done(info, future.blocked_seconds)
+            else:
+                log_save(info, future.blocked_seconds)
+        except BaseException as exc:  # delivered through the future, never dropped
+            error = exc
+        del work
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(info)
 
 
 def _raiser(exc: BaseException) -> Callable[[], Any]:
@@ -203,6 +261,17 @@ def async_save(state: dict, path: Any, *, overwrite: bool = False, metadata: dic
 def background_group(process_group: Any) -> Any:
     """The group background commits use: separate from the one foreground calls use."""
     return resolve(process_group, purpose="background")
+
+
+def _after_fork_in_child() -> None:
+    global _default_lock
+    _default_lock = threading.Lock()
+    for saver in list(_live):
+        saver._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _finish_at_exit() -> None:

@@ -11,6 +11,7 @@ import functools
 import logging
 import signal
 from concurrent.futures import Future
+from dataclasses import dataclass
 import threading
 import time
 import uuid
@@ -49,6 +50,31 @@ def _one_call_at_a_time(method: F) -> F:
         with self._calls:
             return method(self, *args, **kwargs)
     return wrapper  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Replaceable:
+    """Which committed checkpoint of a step a manager's save may replace (atomically): one
+    of this run (a loop resumed at the step it restored saves it again), a torn one (the
+    manager holds the root's lease, so no other save is writing it) or one ``restore``
+    found damaged; never another run's committed checkpoint, nor (refused with
+    ``CheckpointExistsError``) one a local tier holds for another durable root than
+    ``home`` (the durable root's URL when the save goes to a local tier). Plain data, so
+    an async save's writer process can decide it."""
+
+    run_id: str
+    damaged: bool
+    step: int
+    where: str  # the step folder's URL, for the error
+    home: str | None = None
+
+    def __call__(self, old: "Manifest | None") -> bool:
+        if old is not None and self.home is not None and not belongs(old, self.home):
+            raise CheckpointExistsError(
+                f"{self.where} holds a checkpoint of step {self.step} saved for another durable root "
+                f"({old.durable_root or 'not named: an older safeckpt'}), which a save for {self.home} never "
+                f"replaces: give each durable root its own local folder (local=)")
+        return old is None or old.run_id == self.run_id or self.damaged
 
 
 class CheckpointManager:
@@ -271,23 +297,13 @@ class CheckpointManager:
         self._after_save(info)
         return info
 
-    def _may_replace(self, step: int, root: Storage | None = None) -> Callable[[Manifest | None], bool]:
+    def _may_replace(self, step: int, root: Storage | None = None) -> "Replaceable":
         """Which checkpoint of ``step`` a save into ``root`` (default: where saves commit)
-        may replace (atomically): one of this run (a loop resumed at the step it restored
-        saves it again; with a local tier, its copy in the durable root is replaced too), a
-        torn one (this manager holds the root's lease, so no other save is writing it) or
-        one ``restore`` found damaged; never another run's committed checkpoint, nor
-        (refused with this error) one the local tier holds for another durable root."""
+        may replace (``Replaceable``); with a local tier, a loop resumed at the step it
+        restored replaces its copy in the durable root too."""
         root = root or self.save_root
-
-        def may(old: Manifest | None) -> bool:
-            if old is not None and self._foreign(root, old):
-                raise CheckpointExistsError(
-                    f"{root.child(step_folder(step)).url} holds a checkpoint of step {step} saved for "
-                    f"another durable root ({old.durable_root or 'not named: an older safeckpt'}), which a save "
-                    f"for {self.storage.url} never replaces: give each durable root its own local folder (local=)")
-            return old is None or old.run_id == self.run_id or step in self._damaged
-        return may
+        home = None if root is self.storage else self.storage.url
+        return Replaceable(self.run_id, step in self._damaged, step, root.child(step_folder(step)).url, home)
 
     def _remove_if_empty(self, folder: Storage) -> None:
         """After a failed save: drop its step folder if the save left it empty."""

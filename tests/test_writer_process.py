@@ -102,7 +102,7 @@ def test_a_writer_killed_mid_save_fails_the_save_typed_and_the_next_save_works(t
     with pytest.raises(safeckpt.SaveAbortedError) as err:
         fut.result(timeout=60)
     message = str(err.value)
-    assert isinstance(err.value, writer.WriterDiedError) and f"pid {pid}" in message, message
+    assert isinstance(err.value, safeckpt.WriterDiedError) and f"pid {pid}" in message, message
     assert "signal 9 (SIGKILL)" in message and str(path) in message and "nothing was committed" in message
     assert _files(path) == before, "the dead writer's data file was left behind"
     assert _same(safeckpt.load_state(path), old) and safeckpt.verify(path).ok

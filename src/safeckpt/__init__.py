@@ -14,7 +14,8 @@ from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundE
                      CorruptCheckpointError, ForeignRunWarning, InvalidFileNameError, LeaseWarning,
                      ManagerClosedError, PartialLoadWarning, ReplicationWarning, SafeckptWarning,
                      SaveAbortedError, SkippedCheckpointWarning, StateMismatchError, StorageError,
-                     UnsafeObjectError, UnsupportedFeatureError, UnsupportedFormatError, WeakStorageWarning)
+                     UnsafeObjectError, UnsupportedFeatureError, UnsupportedFormatError, WeakStorageWarning,
+                     WriterDiedError)
 
 if TYPE_CHECKING:
     from .run.asyncsave import SaveFuture, async_save
@@ -44,7 +45,7 @@ __all__ = [
     "CheckpointManager", "list_checkpoints", "CheckpointStatus", "CheckpointState", "export_checkpoint",
     "import_checkpoint", "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError",
     "CorruptCheckpointError", "SaveAbortedError", "StateMismatchError", "StorageError",
-    "UnsafeObjectError", "UnsupportedFeatureError", "InvalidFileNameError", "ManagerClosedError",
+    "UnsafeObjectError", "UnsupportedFeatureError", "InvalidFileNameError", "ManagerClosedError", "WriterDiedError",
     "SafeckptWarning", "SkippedCheckpointWarning", "CleanupWarning", "ForeignRunWarning",
     "PartialLoadWarning", "ReplicationWarning", "WeakStorageWarning", "LeaseWarning",
 ]

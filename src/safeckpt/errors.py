@@ -86,6 +86,15 @@ class SaveAbortedError(CheckpointError, RuntimeError):
         self.errors = dict(errors or {})
 
 
+class WriterDiedError(SaveAbortedError):
+    """The writer process of async saves ended while it held a save: nothing of that save
+    is committed (``started`` False: the writer never started, so no writer can)."""
+
+    def __init__(self, message: str, started: bool = True) -> None:
+        super().__init__(message)
+        self.started = started
+
+
 class ManagerClosedError(CheckpointError, RuntimeError):
     """A ``CheckpointManager`` was used after ``close()`` (or its ``with`` block): it
     saves, restores, retains, deletes and collects nothing more."""

@@ -51,7 +51,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, cast
 
-from ..errors import SafeckptWarning, SaveAbortedError, warn
+from ..errors import SafeckptWarning, SaveAbortedError, WriterDiedError, warn
 from ..format.folder import read_committed
 from ..format.manifest import Manifest
 from ..format.names import data_file_name
@@ -73,14 +73,6 @@ _BOOT = ("import importlib.util, os, sys; i = sys.argv[1]; s = importlib.util.sp
 COMMAND = [sys.executable, "-c", _BOOT, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                     "__init__.py")]
 STOP_S = 30.0  # how long ``stop`` waits for the writer to exit before killing it
-
-
-class WriterDiedError(SaveAbortedError):
-    """The writer process ended while it held a save (see the module docstring)."""
-
-    def __init__(self, message: str, started: bool = True) -> None:
-        super().__init__(message)
-        self.started = started  # False: it never started, so no writer process can
 
 
 # -- the wire: length-prefixed pickles over a Unix socket, descriptors with a message --

@@ -678,7 +678,7 @@ _PLAIN = st.one_of(st.none(), st.booleans(), st.integers(-2**80, 2**80), st.floa
                    st.sampled_from([torch.float32, torch.bfloat16, torch.qint8, torch.bool, torch.device("cpu"),
                                     torch.device("cuda", 1), np.str_(""), np.bytes_(b""), np.str_("ab"),
                                     np.float32("nan"), np.bool_(True), np.datetime64("2020-01-01", "ns")]),
-                   st.builds(lambda n, d: np.arange(n, dtype=d).reshape(n, 1), st.integers(0, 3),
+                   st.builds(lambda n, d: np.arange(n).astype(d).reshape(n, 1), st.integers(0, 3),
                              st.sampled_from(["<i4", ">f8", "|u1", "<c8", "?"])))
 _HASHABLE = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**60, 2**60), st.floats(),
                                    st.text(max_size=3), st.binary(max_size=3)),

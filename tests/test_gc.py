@@ -242,6 +242,7 @@ def test_gc_during_an_in_flight_async_save_leaves_it_alone(tmp_path, monkeypatch
         return real(self, name, parts)
 
     monkeypatch.setattr(LocalStorage, "write_file", write_file)
+    monkeypatch.setenv("SAFECKPT_ASYNC_WRITER", "thread")  # the hook is in this process
     mgr = safeckpt.CheckpointManager(tmp_path / "run", async_save=True)
     mgr.save(1, make_state(1)).result(timeout=60)
     fut = mgr.save(2, make_state(2))

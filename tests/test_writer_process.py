@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import safeckpt
 import writer_faults  # tests/helpers
 from safeckpt.format.folder import read_committed
 from safeckpt.protocol.checkpoint import SaveRequest
-from safeckpt.run import asyncsave, writer
+from safeckpt.run import asyncsave, garbage, writer
 from safeckpt.storage import open as open_storage
 from safeckpt.storage.local import LocalStorage
 from safeckpt.testing import FaultyStorage
@@ -357,3 +358,25 @@ def test_a_saver_never_closed_frees_its_buffer_here_and_in_the_writer(tmp_path):
     safeckpt.async_save(_state(5), tmp_path / "last").result(timeout=120)  # carries what could not go at once
     _wait_for(lambda: _staging_buffers(pid) <= there, 10, "the writer to let go of the dropped buffers")
     assert writer.current_pid() == pid
+
+
+def test_gc_while_the_writer_holds_a_managers_save_leaves_it_alone(tmp_path):
+    """A manager's save in the writer process is a live writer of its folder: gc() from
+    another thread (or an explicit ``safeckpt gc``) while the writer is part way through
+    the data file must leave the save whole."""
+    root = tmp_path / "run@midway"
+    with safeckpt.CheckpointManager(root, async_save=True) as mgr:
+        fut = mgr.save(2, _state(2, mib=32))
+        folder = root / "step-000000002"
+        _wait_for(lambda: folder.exists() and any(p.stat().st_size for p in folder.iterdir()), 60,
+                  "the first bytes of the data file")
+        removed: dict = {}
+        t = threading.Thread(target=lambda: removed.setdefault("by_manager", mgr.gc()))
+        t.start()
+        removed["explicit"] = garbage.collect(open_storage(str(root)), min_age_s=3600)  # `safeckpt gc`
+        t.join(1.0)
+        writer_faults.release(root)
+        info = fut.result(timeout=120)
+        t.join(60)
+    assert not [n for names in removed.values() for n in names if n.startswith("step-000000002/")], removed
+    assert safeckpt.verify(info.path).ok and _same(safeckpt.load_state(info.path), _state(2, mib=32))

@@ -451,9 +451,12 @@ def run_cell(profile: str, scenario: str, power_cuts: int) -> Cell:
     return cell
 
 
-# the two longest scenarios (~150 s together) run on POSIX only in the default suite, and on
-# every profile with --slow; every other scenario keeps all five profiles in the default suite
-_LONG = {(p, s) for p in PROFILES if p != "posix" for s in ("tiered-replication", "incremental-retention")}
+# the default suite runs every scenario on POSIX and the object store's profile, except the
+# longest (a tiered save's replication, ~30 s), which runs with --slow only, as do the other
+# profiles' manager and incremental cells; the short scenarios keep all five profiles
+_LONG = ({(p, s) for p in PROFILES if p not in ("posix", "object-store")
+          for s in ("tiered-replication", "incremental-retention", "manager-retention")}
+         | {("posix", "tiered-replication")})
 CELLS = [pytest.param(p, s, marks=[pytest.mark.slow] if (p, s) in _LONG else [], id=f"{p}-{s}")
          for p in PROFILES for s in SCENARIOS]
 
@@ -700,7 +703,7 @@ def run_nodes_cell(server, tmp_path, profile: str, victim: str, pick, outcome_of
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("profile, victim", [("posix", "a"), ("posix", "b"),
+@pytest.mark.parametrize("profile, victim", [("posix", "a"), pytest.param("posix", "b", marks=pytest.mark.slow),
                                              pytest.param("fuse-object", "a", marks=pytest.mark.slow)])
 def test_crash_matrix_nodes(nodes_server, tmp_path, profile: str, victim: str) -> None:
     cell = run_nodes_cell(nodes_server, tmp_path, profile, victim,

@@ -155,7 +155,7 @@ def kill_and_resume(runs: Runs, stage: int, kills: int, rng: random.Random) -> i
 
 
 # ZeRO-1 saves the files ZeRO-2 does (model states + partitioned optimizer states): with --slow
-@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
 def test_sigkill_during_save_resume_bit_exact(server, tmp_path, stage):
     total = kill_and_resume(Runs(server, tmp_path), stage, KILLS[stage], random.Random(SEED + stage))
     # DeepSpeed's own recovery script reads the committed tag that latest names

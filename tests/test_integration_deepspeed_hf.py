@@ -70,6 +70,7 @@ def kill_then_resume(tmp_path: Path, point: str, reference: dict, kind: str = "s
     return out
 
 
+@pytest.mark.slow
 def test_safetrainer_zero2_killed_before_seal_resumes_bit_exact(tmp_path, reference):
     """The default layout: the Trainer's files and DeepSpeed's own tag, one seal."""
     out = kill_then_resume(tmp_path, "seal", reference)

@@ -312,6 +312,7 @@ def test_corrupt_local_copy_falls_back_to_the_durable_copy(server, tmp_path):
         assert any("reading the durable copy" in w and "checksum" in w for w in data["warnings"]), data
 
 
+@pytest.mark.slow
 def test_durable_root_on_s3(server, moto_server, tmp_path):
     """The durable root on an S3 server (moto): every rank uploads its own files there,
     rank 0 the manifest last; a node's wiped disk restores from the peer, and the next
@@ -330,6 +331,7 @@ def test_durable_root_on_s3(server, moto_server, tmp_path):
     assert not (tmp_path / "durable").exists()
 
 
+@pytest.mark.slow
 def test_sigkill_during_the_upload_to_s3(server, moto_server, tmp_path):
     """Node b's ranks die once their step-2 file is in the bucket, before rank 0 writes
     the durable manifest: the bucket holds no manifest of step 2, its step 1 restores,

@@ -558,6 +558,53 @@ def test_async_fits_save_exactly_what_the_sync_run_saved(reference, tmp_path, la
     check_final_folder(dirpath, reference, leaks_allowed=mode.startswith("wrapper"), layout=layout)
 
 
+@pytest.mark.parametrize("layout", ["folder", "file"])
+def test_a_removal_waits_for_the_save_another_thread_is_writing(tmp_path, monkeypatch, layout):
+    """Lightning's AsyncCheckpointIO saves on its own thread and removes on the trainer's:
+    a removal of the checkpoint being written waits for that save (stock torch.save
+    writes into an unlinked file and never fails; a folder removed under its writer
+    failed the save), then removes it whole."""
+    held, go = threading.Event(), threading.Event()
+    real_write, real_replace = LocalStorage.write_file, LocalStorage.open_replace
+
+    def hold() -> None:
+        held.set()
+        assert go.wait(30)
+
+    def write_file(self, name, parts):
+        if name.startswith("manifest-"):
+            hold()
+        return real_write(self, name, parts)
+
+    def open_replace(self, name, *args, **kwargs):
+        if name == "x.ckpt":
+            hold()
+        return real_replace(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStorage, "write_file", write_file)
+    monkeypatch.setattr(LocalStorage, "open_replace", open_replace)
+    io, path = SafeCheckpointIO(layout=layout), tmp_path / "x.ckpt"
+    errors: list = []
+
+    def save() -> None:
+        try:
+            io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.ones(3)}}, path)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    saver = threading.Thread(target=save)
+    saver.start()
+    assert held.wait(30)
+    remover = threading.Thread(target=io.remove_checkpoint, args=(path,))
+    remover.start()
+    remover.join(0.5)
+    assert remover.is_alive(), "the checkpoint was removed while its save was writing it"
+    go.set()
+    saver.join(30)
+    remover.join(30)
+    assert not errors and not remover.is_alive()
+    assert not path.exists()
+
+
 # -- values a Lightning checkpoint may hold -----------------------------------------------------
 def test_unstorable_values_are_refused_with_a_clear_opt_in(tmp_path):
     """The folder layout stores no pickle unless told to (the file layout is torch.save's

@@ -107,6 +107,8 @@ log = logging.getLogger(__name__)
 
 MIN_LIGHTNING = (2, 2)
 _SAVER_LOCK = threading.Lock()  # makes and drops the plugins' savers (a lock per plugin would not pickle)
+_WRITING: dict[str, int] = {}  # checkpoints being written by a save_checkpoint call, by URL
+_WRITTEN = threading.Condition()  # guards _WRITING; notified when a save_checkpoint call returns
 LAYOUTS = ("file", "folder")  # SafeCheckpointIO(layout=...): Lightning's .ckpt file, or a safeckpt folder
 
 
@@ -166,10 +168,20 @@ class SafeCheckpointIO(TorchCheckpointIO):
         if not isinstance(checkpoint, dict):
             raise TypeError(f"a Lightning checkpoint is a dict, not {type(checkpoint).__name__}")
         options = self._options(storage_options)
-        if self.layout == "file":
-            self._save_file(checkpoint, path, options)
-        else:
-            self._save_folder(checkpoint, path, options)
+        url = _url(path)
+        with _WRITTEN:
+            _WRITING[url] = _WRITING.get(url, 0) + 1
+        try:
+            if self.layout == "file":
+                self._save_file(checkpoint, path, options)
+            else:
+                self._save_folder(checkpoint, path, options)
+        finally:
+            with _WRITTEN:
+                _WRITING[url] -= 1
+                if not _WRITING[url]:
+                    del _WRITING[url]
+                _WRITTEN.notify_all()
 
     def _storage(self, url: str, options: dict) -> Storage:
         """The storage of the folder ``url`` that a file-layout checkpoint is written
@@ -332,8 +344,13 @@ class SafeCheckpointIO(TorchCheckpointIO):
         then on it is not a checkpoint, then its data files, then the folder if nothing
         else is in it). Waits for an async save in flight first, so a checkpoint is never
         deleted before the one that replaces it is committed (and raises if that save
-        failed)."""
+        failed), and for a save of ``path`` another thread is running (Lightning's
+        ``AsyncCheckpointIO`` saves on its thread and removes on the trainer's): the
+        folder is never removed under its writer."""
         self.wait()
+        url = _url(path)
+        with _WRITTEN:
+            _WRITTEN.wait_for(lambda: url not in _WRITING)
         remove_checkpoint_at(path, self._options(None))
 
     # -- lifetime -------------------------------------------------------------------------

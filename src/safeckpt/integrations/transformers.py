@@ -175,11 +175,12 @@ def _seal(path: str, step: int, sealed_by: str) -> None:
     log.info("sealed %s (%d files, %d bytes, %.3fs)", path, len(info.files), info.bytes, info.seconds)
 
 
-def _may_save(control: Any) -> bool:
+def _may_save(args: Any, control: Any) -> bool:
     """Whether the Trainer may save at the end of this step or epoch: it is going to, or
-    it evaluates first (with ``save_strategy="best"``, and for callbacks that set
-    ``control.should_save`` in ``on_evaluate``, the decision comes after it)."""
-    return bool(control.should_save or control.should_evaluate)
+    with ``save_strategy="best"`` it evaluates first and decides after. (A window opened
+    for any evaluation would stay open when nothing saves, hiding ``save_total_limit``
+    from the Trainer's last rotation at the end of training.)"""
+    return bool(control.should_save or (args.save_strategy == SaveStrategy.BEST and control.should_evaluate))
 
 
 def _new_best(args: Any, state: Any, metrics: dict | None) -> bool:
@@ -242,13 +243,17 @@ class SafeCheckpointCallback(TrainerCallback):
     def _before_save(self, args: Any, state: Any, control: Any) -> None:
         self._close_window()  # a window that ended without a save
         self._older = _seal_id(_folder(args, state)) if args.should_save else None
-        if not _may_save(control):
+        if not _may_save(args, control):
             return
+        self._open_window(args)
+        if not control.should_evaluate:  # nothing comes between this and the save
+            self._clear(args, state)
+
+    def _open_window(self, args: Any) -> None:
+        """Switch the Trainer's rotation off until the save of this step is sealed."""
         self._window = contextlib.ExitStack()
         self._window.enter_context(_trainer_rotation_off(args))
         self._pending = True
-        if not control.should_evaluate:  # nothing comes between this and the save
-            self._clear(args, state)
 
     def _clear(self, args: Any, state: Any) -> None:
         """The Trainer is going to save this step: delete the folder an older run left
@@ -266,6 +271,8 @@ class SafeCheckpointCallback(TrainerCallback):
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         # once per evaluation dataset, each with its own metrics (the same on every process)
+        if self._window is None and control.should_save:
+            self._open_window(args)  # a callback listed before this one decided a save in its on_evaluate
         if not self._pending:
             return
         if _new_best(args, state, metrics) if args.save_strategy == SaveStrategy.BEST else control.should_save:

@@ -380,3 +380,39 @@ def test_gc_while_the_writer_holds_a_managers_save_leaves_it_alone(tmp_path):
         t.join(60)
     assert not [n for names in removed.values() for n in names if n.startswith("step-000000002/")], removed
     assert safeckpt.verify(info.path).ok and _same(safeckpt.load_state(info.path), _state(2, mib=32))
+
+
+def test_a_writer_that_never_says_it_is_ready_is_given_up(tmp_path, monkeypatch):
+    """An interpreter that starts but never answers (an embedding host as
+    ``sys.executable``, a program that hangs) must not hang the save: after the start
+    timeout the writer is killed, the save finishes on a thread here with a warning, and
+    later saves run on a thread."""
+    writer.stop()
+    monkeypatch.setattr(writer, "COMMAND", ["sleep", "600"])  # runs, never answers
+    monkeypatch.setattr(writer, "READY_S", 1.0)
+    monkeypatch.setattr(writer, "_broken", None)
+    state = _state(5, mib=1)
+    with pytest.warns(safeckpt.SafeckptWarning, match="did not answer within 1 s"):
+        info = safeckpt.async_save(state, tmp_path / "c").result(timeout=60)
+    assert _same(safeckpt.load_state(info.path), state) and safeckpt.verify(info.path).ok
+    assert writer.current_pid() is None
+    safeckpt.async_save(_state(6, mib=1), tmp_path / "d").result(timeout=60)  # on a thread, no new writer
+    assert writer.current_pid() is None
+
+
+def test_a_save_after_the_process_changed_its_umask_is_made_as_a_sync_save_would(tmp_path):
+    """The writer writes as the saving process was when it started: after ``os.umask``
+    (or a change of effective user) a save runs on a thread here, so its files get the
+    same permissions a synchronous save gives them."""
+    safeckpt.async_save(_state(1, mib=1), tmp_path / "warm").result(timeout=120)  # the writer runs
+    assert writer.current_pid() is not None
+    old = os.umask(0o077)
+    try:
+        safeckpt.save(_state(2, mib=1), tmp_path / "sync")
+        safeckpt.async_save(_state(2, mib=1), tmp_path / "async").result(timeout=120)
+    finally:
+        os.umask(old)
+
+    def modes(path: Path) -> list:
+        return [oct(path.stat().st_mode & 0o777)] + sorted(oct(p.stat().st_mode & 0o777) for p in path.iterdir())
+    assert modes(tmp_path / "async") == modes(tmp_path / "sync") == ["0o700", "0o600", "0o600"]

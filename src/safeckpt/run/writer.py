@@ -73,6 +73,7 @@ _BOOT = ("import importlib.util, os, sys; i = sys.argv[1]; s = importlib.util.sp
 COMMAND = [sys.executable, "-c", _BOOT, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                     "__init__.py")]
 STOP_S = 30.0  # how long ``stop`` waits for the writer to exit before killing it
+READY_S = float(os.environ.get("SAFECKPT_WRITER_START_TIMEOUT", "60"))  # for a new writer to say it is ready
 
 
 # -- the wire: length-prefixed pickles over a Unix socket, descriptors with a message --
@@ -161,6 +162,10 @@ def job_for(request: SaveRequest) -> Job | None:
     if not (SUPPORTED and _broken is None and request.stageable and os.environ.get(ENV, "process") != "thread"
             and type(storage) is LocalStorage and storage.fs is OS_FILESYSTEM):
         return None
+    running = _current
+    if running is not None and running.owner == os.getpid() and running.dead is None \
+            and running.identity != identity():
+        return None  # the process now writes as someone else, or with another umask
     if not isinstance(request.overwrite, bool):
         try:
             pickle.dumps(request.overwrite)
@@ -243,6 +248,8 @@ class Writer:
         self.sock = ours
         self.owner = os.getpid()
         self.started = False  # it said it was ready
+        self.ready = threading.Event()  # set once it said so, or ended
+        self.identity = identity()  # what it writes as: it inherited them when it started
         self.dead: str | None = None  # how it ended
         self.known: dict[str, int] = {}  # buffer id -> the layout (plan) the writer holds for it
         self._sending = threading.Lock()
@@ -322,19 +329,37 @@ class Writer:
             (kind, number, payload), _ = got
             if kind == "ready":
                 self.started = True
+                self.ready.set()
                 continue
             with self._lock:
                 answers = self._saves.get(number)
             if answers is not None:
                 answers.put((kind, payload))
         code = self.proc.wait()
-        how = (f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else
-               f"exited with status {code} (its traceback, if any, is on this process's stderr)")
+        if code < 0:
+            how = f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        elif code == 0 and signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
+            how = "ended (killed or exited: this process ignores SIGCHLD, so the system does not say how)"
+        else:
+            how = f"exited with status {code} (its traceback, if any, is on this process's stderr)"
         with self._lock:
             self.dead = how
             waiting = list(self._saves.values())
+        self.ready.set()
         for answers in waiting:
             answers.put(("died", None))
+
+    def wait_ready(self) -> None:
+        """Wait for the new writer to say it is ready; one that does not within
+        ``READY_S`` (an interpreter that is not Python, a program that hangs) is killed,
+        and no writer can start here (``WriterDiedError`` with ``started`` False)."""
+        if self.ready.wait(READY_S) and self.started:
+            return
+        if not self.started:
+            self.proc.kill()
+            self.ready.wait(STOP_S)
+            raise WriterDiedError(f"the async writer process could not start: {sys.executable} -c did not answer "
+                                  f"within {READY_S:.0f} s (SAFECKPT_WRITER_START_TIMEOUT)", started=False)
 
     def forget(self, buffer: str) -> None:
         """A saver dropped its buffer: the writer unmaps it. Never waits (a saver that
@@ -383,7 +408,21 @@ def _writer() -> Writer:
                 _current = Writer()
             except OSError as exc:  # no interpreter to start
                 raise WriterDiedError(f"the async writer process could not start: {exc}", started=False) from exc
+            _current.wait_ready()
         return _current
+
+
+def identity() -> tuple:
+    """What files a process writes are made as: its umask, effective user and groups. A
+    writer started earlier writes as the saving process was then; a save made after the
+    process changed them (``os.umask``, ``os.seteuid``) runs on a thread here instead."""
+    umask = None
+    try:
+        with open("/proc/self/status") as f:
+            umask = next((line.split()[1] for line in f if line.startswith("Umask:")), None)
+    except OSError:
+        pass
+    return umask, os.geteuid(), os.getegid(), tuple(sorted(os.getgroups()))
 
 
 def current_pid() -> int | None:

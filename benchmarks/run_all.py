@@ -260,12 +260,14 @@ def header(res: dict) -> str:
 def report(res: dict) -> str:
     from async_bench import async_table
     from checksum_bench import checksum_table
+    from cli_bench import cli_table
     from dcp_bench import table as dcp_table
     from dist_bench import dist_table
     from gpu_check import gpu_table
     from incremental_bench import incremental_table, tiered_table
     from nodes_bench import nodes_table
     from s3_bench import s3_table
+    from share_bench import share_table
     from save_load import case_table
 
     out = [header(res)]
@@ -287,29 +289,13 @@ def report(res: dict) -> str:
                 out.append(f"| {key.split(' @')[0]} | {r['state_bytes'] / MiB:,.0f} | {r['extra_bytes'] / MiB:,.1f} | "
                            f"{r['extra_bytes'] / r['state_bytes']:.2f} |")
         out.append("")
-    if res.get("dist"):
-        out.append(dist_table(res["dist"]))
-    if res.get("dcp"):
-        out.append(dcp_table(res["dcp"]))
-    if "gpu" in res.get("env", {}).get("sections", {}):
-        out.append(gpu_table(res["gpu"]))
-    if res.get("s3"):
-        out.append(s3_table(res["s3"]))
-    if res.get("incremental"):
-        out.append(incremental_table(res["incremental"]))
-    if res.get("tiered"):
-        out.append(tiered_table(res["tiered"]))
-    if res.get("nodes"):
-        out.append(nodes_table(res["nodes"]))
-    if res.get("share"):
-        from share_bench import share_table
-        out.append(share_table(res["share"]))
-    if res.get("plans"):
-        out.append(plans_table(res["plans"]))
-    if res.get("cli"):
-        from cli_bench import cli_table
-
-        out.append(cli_table(res["cli"]))
+    ran = res.get("env", {}).get("sections", {})
+    tables = {"dist": dist_table, "dcp": dcp_table, "gpu": gpu_table, "s3": s3_table, "incremental": incremental_table,
+              "tiered": tiered_table, "nodes": nodes_table, "share": share_table, "plans": plans_table,
+              "cli": cli_table}
+    for key, table in tables.items():
+        if (key in ran) if key == "gpu" else res.get(key):
+            out.append(table(res[key]))
     out.append(targets_table(res["targets"]))
     return "\n".join(out)
 
